@@ -1,0 +1,38 @@
+"""cffi API-mode builder for the ``rpmemfs._native`` extension.
+
+setuptools runs this through ``setup(cffi_modules=["native/build.py:ffibuilder"])``,
+so ``pip install .`` and ``pip install -e .`` both compile it.
+"""
+
+import os
+from pathlib import Path
+
+from cffi import FFI
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _rel(path: Path) -> str:
+    # setuptools wants extension paths relative to the project root, which is the
+    # cwd during its builds; locating them from this file keeps any cwd working.
+    return os.path.relpath(path)
+
+
+def _cdef() -> str:
+    # The header is the single declaration of the C API; cffi's cdef cannot parse
+    # preprocessor lines, and the declarations need none of them.
+    text = (_HERE / "rpmem_native.h").read_text()
+    return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef())
+ffibuilder.set_source(
+    "rpmemfs._native",
+    '#include "rpmem_native.h"',
+    sources=[_rel(_HERE / "rpmem_native.c")],
+    include_dirs=[_rel(_HERE)],
+    # Listed so that sdists carry the header and edits to it trigger rebuilds.
+    depends=[_rel(_HERE / "rpmem_native.h")],
+    extra_compile_args=["-O2"],
+)

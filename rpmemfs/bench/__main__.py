@@ -1,0 +1,5 @@
+import sys
+
+from rpmemfs.bench import main
+
+sys.exit(main())

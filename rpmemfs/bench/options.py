@@ -1,0 +1,89 @@
+"""Command line of `rpmemfs bench`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from rpmemfs.bench.workloads import WORKLOADS
+
+MOUNT100K = "mount100k"
+DEFAULT_MOUNT_FILES = 100_000
+
+
+@dataclass(frozen=True)
+class Options:
+    base_dir: Path
+    quick: bool
+    json_path: Path | None
+    workloads: tuple[str, ...]
+    pool_size: str
+    # None: the slow mount-time measurement is not run.
+    mount_files: int | None
+    timeout: float
+    keep: bool
+
+
+def _parser() -> argparse.ArgumentParser:
+    names = ", ".join([*WORKLOADS, MOUNT100K])
+    p = argparse.ArgumentParser(
+        prog="rpmemfs bench",
+        description="Compare rpmemfs with a pass-through FUSE filesystem and a plain "
+                    "directory on the same backing store.",
+    )
+    p.add_argument("--dir", type=Path, default=Path("/dev/shm"), metavar="DIR",
+                   help="where the fresh work directory is made (default: /dev/shm)")
+    p.add_argument("--quick", action="store_true",
+                   help="about 10x fewer operations, for a smoke run")
+    p.add_argument("--json", type=Path, metavar="FILE", dest="json_path",
+                   help="also write every number to FILE as JSON")
+    p.add_argument("--only", metavar="NAME[,NAME]",
+                   help=f"run only these workloads ({names})")
+    p.add_argument("--pool-size", default="1G", metavar="SIZE",
+                   help="size of the rpmemfs pool, as `rpmemfs mkfs --size` takes it "
+                        "(default: 1G)")
+    p.add_argument("--mount-files", type=int, metavar="N",
+                   help=f"also run {MOUNT100K} with N files (default N: {DEFAULT_MOUNT_FILES:,}, "
+                        f"{DEFAULT_MOUNT_FILES // 10:,} with --quick)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="give up on a target after one workload ran this long (default: 300)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the work directory (pool, daemon logs) for inspection")
+    return p
+
+
+def parse(argv: list[str]) -> Options:
+    parser = _parser()
+    args = parser.parse_args(argv)
+
+    selected: list[str] = list(WORKLOADS)
+    mount_wanted = args.mount_files is not None
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n != MOUNT100K and n not in WORKLOADS]
+        if unknown:
+            parser.error(f"unknown workload(s): {', '.join(unknown)}")
+        selected = [n for n in names if n in WORKLOADS]
+        mount_wanted = mount_wanted or MOUNT100K in names
+
+    mount_files: int | None = None
+    if mount_wanted:
+        default = DEFAULT_MOUNT_FILES // 10 if args.quick else DEFAULT_MOUNT_FILES
+        mount_files = args.mount_files if args.mount_files is not None else default
+        if mount_files < 1:
+            parser.error("--mount-files must be at least 1")
+
+    if not args.dir.is_dir():
+        parser.error(f"--dir {args.dir}: not a directory")
+
+    return Options(
+        base_dir=args.dir,
+        quick=args.quick,
+        json_path=args.json_path,
+        workloads=tuple(dict.fromkeys(selected)),
+        pool_size=args.pool_size,
+        mount_files=mount_files,
+        timeout=args.timeout,
+        keep=args.keep,
+    )

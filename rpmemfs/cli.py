@@ -1,0 +1,177 @@
+"""The `rpmemfs` command: mkfs, mount, status, check, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from rpmemfs import logs
+from rpmemfs.units import human, parse_size
+
+
+class CliError(Exception):
+    pass
+
+
+def _progress(label: str):  # type: ignore[no-untyped-def]
+    """A progress callback drawing a bar on stderr when it is a terminal, else silent."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{human(done)}/{human(total)}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def cmd_mkfs(args: argparse.Namespace) -> int:
+    from rpmemfs.fs.mkfs import MkfsError, mkfs
+
+    try:
+        size = parse_size(args.size)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    try:
+        hdr = mkfs(args.pool, size, force=args.force, progress=_progress("mkfs"))
+    except MkfsError as e:
+        raise CliError(str(e)) from None
+    print(f"created pool {args.pool}: {human(hdr.pool_size)}, uuid {hdr.uuid_str}, "
+          f"{hdr.data_blocks} data blocks, log areas of {human(hdr.area_size)}")
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from rpmemfs.mountd import MountError, run
+
+    try:
+        return run(args.pool, args.mountpoint, args.o or [], args.foreground)
+    except MountError as e:
+        raise CliError(str(e)) from None
+
+
+def _status(mountpoint: str) -> dict[str, Any]:
+    from rpmemfs.fuse import STATUS_XATTR
+
+    try:
+        raw = os.getxattr(mountpoint, STATUS_XATTR.decode())
+    except OSError as e:
+        raise CliError(f"{mountpoint} is not an rpmemfs mount ({e.strerror})") from None
+    return json.loads(raw)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _status(args.mountpoint)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    lat = st["fsync_latency_us"]
+    print(f"mount      {st['mountpoint']}\npool       {st['pool']} ({st['uuid']})\n"
+          f"size       {human(st['size'])}, used {human(st['used'])} of {human(st['data_size'])}, "
+          f"{st['inodes']} inodes\n"
+          f"pmem       {st['pmem_mode']} (requested {st['pmem_requested']})\n"
+          f"fsync      {st['fsync_count']} calls, p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us\n"
+          f"log        area {st['log']['area']} gen {st['log']['generation']}, "
+          f"{human(st['log']['used'])} of {human(st['log']['capacity'])}, "
+          f"{st['log']['checkpoints']} checkpoints")
+    for r in st.get("replicas", []):
+        print(f"replica    {r}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from rpmemfs.fs.check import check, format_report
+    from rpmemfs.pmem import PmemError, PoolMapping
+
+    if not os.path.isfile(args.pool):
+        raise CliError(f"pool {args.pool} does not exist or is not a file")
+    try:
+        pm = PoolMapping.open(args.pool, "msync", readonly=True)
+    except PmemError as e:
+        raise CliError(str(e)) from None
+    try:
+        report = check(pm.buf, args.pool)
+    finally:
+        pm.close()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["clean"] else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rpmemfs import bench
+
+    return bench.main(args.rest)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rpmemfs.demo import run_demo
+
+    return run_demo(args.dir, args.size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rpmemfs", description=__doc__)
+    p.add_argument("--log-level", default="warning", help="debug, info, warning (default), error")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("mkfs", help="make a pool file")
+    s.add_argument("pool")
+    s.add_argument("--size", required=True, help="pool size, e.g. 64M, 4G")
+    s.add_argument("--force", action="store_true", help="overwrite an existing file")
+    s.set_defaults(func=cmd_mkfs)
+
+    s = sub.add_parser("mount", help="mount a pool")
+    s.add_argument("pool")
+    s.add_argument("mountpoint")
+    s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
+                   help="pmem=auto|force|msync, log=FILE, debug, allow_other")
+    s.set_defaults(func=cmd_mount)
+
+    s = sub.add_parser("status", help="show a mount's state")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("check", help="offline consistency check of a pool")
+    s.add_argument("pool")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_check)
+
+    s = sub.add_parser("bench", help="benchmarks against a pass-through FUSE fs and a plain dir",
+                       add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("demo", help="a demo mount in DIR; Ctrl-C stops it")
+    s.add_argument("dir")
+    s.add_argument("--size", default="256M")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level)
+    try:
+        return int(args.func(args))
+    except CliError as e:
+        sys.stderr.write(f"rpmemfs: {e}\n")
+        return 1
+    except RuntimeError as e:  # the native helper's refusal, among others
+        sys.stderr.write(f"rpmemfs: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,791 @@
+"""The filesystem on a mapped pool: namespace, file data, and when changes become durable.
+
+Changes land in the mapping at once; the log records describing them are written lazily
+(attributes and block maps of an inode are batched until a durability point or a namespace
+change) and a durability point hands the persistence layer two lists of pool ranges: the data
+first, then the log. Ordering them that way means no durable record ever points at data that
+is not durable, so a crash never shows a file bytes that were never written to it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+
+from rpmemfs.fs import records as R
+from rpmemfs.fs.alloc import Allocator, OutOfSpace
+from rpmemfs.fs.inode import Inode
+from rpmemfs.fs.layout import (
+    BACKUP_OFF,
+    BLOCK,
+    BLOCK_SHIFT,
+    HEADER_BYTES,
+    HEADER_OFF,
+    Header,
+    PoolFormatError,
+)
+from rpmemfs.fs.log import Log, LogFull, LogScan, Ranges, scan
+from rpmemfs.fs.replay import ROOT_INO, Index
+
+log = logging.getLogger("rpmemfs.fs")
+
+NAME_MAX = 255
+MAX_FILE_SIZE = 1 << 50
+# A snapshot bigger than this share of an area leaves too little room to log after a
+# checkpoint; new inodes are refused (ENOSPC) past it.
+SNAPSHOT_LIMIT = 0.6
+SNAPSHOT_RECORD = 64 << 10
+INODE_COST = 160  # rough snapshot bytes per small file, for statfs' inode numbers
+
+
+class FsError(OSError):
+    def __init__(self, err: int, what: str = "") -> None:
+        super().__init__(err, what or os.strerror(err))
+
+
+class NeedSync(Exception):
+    """Space would be freed by a durability point; persist, then retry the call."""
+
+
+class Persister:
+    """What the filesystem needs from the persistence layer (PoolMapping satisfies it)."""
+
+    def persist(self, ranges: Ranges) -> None: ...
+
+
+def read_header(buf: memoryview) -> tuple[Header, list[str]]:
+    """The pool header, from the backup copy when the primary is damaged."""
+    problems: list[str] = []
+    try:
+        return Header.decode(buf[HEADER_OFF: HEADER_OFF + HEADER_BYTES]), problems
+    except PoolFormatError as e:
+        problems.append(f"primary header damaged: {e}")
+    try:
+        hdr = Header.decode(buf[BACKUP_OFF: BACKUP_OFF + HEADER_BYTES])
+    except PoolFormatError as e:
+        if "magic" in str(e) and "magic" in problems[0]:
+            raise PoolFormatError("not an rpmemfs pool (bad magic in both headers)") from None
+        raise PoolFormatError(f"{problems[0]}; backup header damaged too: {e}") from None
+    problems[0] += " (the backup header is intact; mounting repairs the primary)"
+    return hdr, problems
+
+
+class Filesystem:
+    def __init__(self, buf: memoryview, hdr: Header, found: LogScan, index: Index,
+                 persister: Persister) -> None:
+        self.buf = buf
+        self.hdr = hdr
+        self.persister = persister
+        self.log = Log(buf, hdr, found)
+        self.inodes = index.inodes
+        self.next_ino = index.next_ino
+        self.data_off = hdr.data_off
+        self.alloc = Allocator(hdr.data_blocks)
+        for node in self.inodes.values():
+            for _fb, pb, n in node.runs():
+                self.alloc.mark_used(pb, n)
+        self.dirty_inodes: dict[int, Inode] = {}
+        self.dirty_data: Ranges = []
+        self.pending_bytes = 0  # log bytes the dirty inodes will need
+        self.fsyncs = 0
+        self.meta_full = False
+
+    # ---------------------------------------------------------------- opening
+
+    @classmethod
+    def open(cls, buf: memoryview, persister: Persister, repair: bool = True,
+             progress: Callable[[str], None] | None = None) -> Filesystem:
+        if len(buf) < HEADER_BYTES + BACKUP_OFF:
+            raise PoolFormatError(f"pool file is truncated: {len(buf)} bytes is too small for a pool")
+        hdr, problems = read_header(buf)
+        if len(buf) < hdr.pool_size:
+            raise PoolFormatError(
+                f"pool file is truncated: header says {hdr.pool_size} bytes, file has {len(buf)}")
+        if problems and repair:
+            raw = hdr.encode()
+            for off in (HEADER_OFF, BACKUP_OFF):
+                buf[off: off + len(raw)] = raw
+            persister.persist([(HEADER_OFF, len(raw)), (BACKUP_OFF, len(raw))])
+            log.warning("pool header repaired from its backup copy: %s", problems[0])
+        t0 = time.perf_counter()
+        found = scan(buf, hdr)
+        index = Index()
+        entries = index.apply(r.payload for r in found.records)
+        if index.problems:
+            raise PoolFormatError("log replay found inconsistencies: " + "; ".join(index.problems[:5]))
+        if ROOT_INO not in index.inodes:
+            raise PoolFormatError("log replay produced no root directory")
+        dt = time.perf_counter() - t0
+        log.info("replayed %d records (%d entries, %d inodes) in %.3f s",
+                 len(found.records), entries, len(index.inodes), dt)
+        if progress:
+            progress(f"replayed {len(found.records)} records, {len(index.inodes)} inodes in {dt:.2f} s")
+        fs = cls(buf, hdr, found, index, persister)
+        fs.replay_stats = (len(found.records), entries, dt)
+        orphans = index.orphans()
+        if orphans:
+            entries = [e for ino in orphans for e in fs._free_if_unused(fs.inodes[ino])]
+            fs._commit(entries, freeing=orphans)
+            fs.sync()
+            log.info("reclaimed %d orphan inodes", len(orphans))
+        return fs
+
+    replay_stats: tuple[int, int, float] = (0, 0, 0.0)
+
+    # ---------------------------------------------------------------- helpers
+
+    def node(self, ino: int) -> Inode:
+        node = self.inodes.get(ino)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    def _dir(self, ino: int) -> Inode:
+        node = self.node(ino)
+        if node.children is None:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL)
+
+    def _touch(self, node: Inode) -> None:
+        if node.dirty is None:
+            node.dirty = []
+            self.dirty_inodes[node.ino] = node
+            self.pending_bytes += R.INODE.size
+
+    def _map_change(self, node: Inode, entry: bytes) -> None:
+        self._touch(node)
+        assert node.dirty is not None
+        node.dirty.append(entry)
+        self.pending_bytes += len(entry)
+
+    def _room(self, extra: int) -> None:
+        """Make sure the log can take the pending records plus `extra` bytes, or ENOSPC.
+
+        Checked before an operation changes anything, so a full log never leaves a change
+        in memory that cannot be logged.
+        """
+        need = self.pending_bytes + extra + 4 * R.REC_BYTES
+        if need <= self.log.room():
+            return
+        self.checkpoint()
+        if need > self.log.room():
+            raise FsError(errno.ENOSPC, "metadata log full")
+
+    def _new_inode_room(self, extra: int) -> None:
+        if self.meta_full:
+            self._room(0)  # a checkpoint may have shrunk the snapshot
+            if self.meta_full:
+                raise FsError(errno.ENOSPC, "metadata area full")
+        self._room(extra)
+
+    def _commit(self, ns_entries: list[bytes], freeing: list[int] | None = None) -> None:
+        """Write one record: every dirty inode's state, then the namespace entries."""
+        parts: list[bytes] = []
+        for ino, node in self.dirty_inodes.items():
+            if freeing and ino in freeing:
+                node.dirty = None
+                continue
+            parts.append(node.attr_entry())
+            if node.dirty:
+                parts.extend(node.dirty)
+            node.dirty = None
+        self.dirty_inodes.clear()
+        self.pending_bytes = 0
+        parts.extend(ns_entries)
+        if not parts:
+            return
+        try:
+            seq = self.log.append(b"".join(parts))
+        except LogFull:
+            # The snapshot holds the state this record would have described.
+            self.checkpoint()
+            return
+        self.alloc.logged(seq)
+
+    def _free_if_unused(self, node: Inode) -> list[bytes]:
+        """Entries that drop an inode nobody names or holds any more (else nothing)."""
+        if node.nlink > 0 or node.lookups > 0 or node.opens > 0 or node.ino == ROOT_INO:
+            return []
+        self.alloc.defer([(pb, n) for _fb, pb, n in node.runs()])
+        del self.inodes[node.ino]
+        if node.dirty is not None:
+            self.dirty_inodes.pop(node.ino, None)
+            node.dirty = None
+        return [R.free(node.ino)]
+
+    # ---------------------------------------------------------------- durability
+
+    def sync(self) -> None:
+        """A durability point: everything changed so far is durable when this returns."""
+        self._commit([])
+        data = _coalesce(self.dirty_data)
+        self.dirty_data = []
+        tail, seq = self.log.tail, self.log.next_seq - 1
+        if data:
+            self.persister.persist(data)
+        staged = self.log.stage_out()
+        if staged:
+            self.persister.persist(staged)
+        self.log.mark_durable(tail, seq)
+        self.alloc.durable(seq)
+
+    def checkpoint(self) -> None:
+        """Snapshot the whole index into the other log area and switch to it."""
+        self._commit([])
+        data = _coalesce(self.dirty_data)
+        self.dirty_data = []
+        if data:
+            self.persister.persist(data)
+        try:
+            self.log.checkpoint(self._snapshot_payloads(), self.persister.persist)
+        except LogFull:
+            self.meta_full = True
+            log.warning("metadata snapshot does not fit a log area; refusing new inodes")
+            return
+        # Nothing in the snapshot refers to blocks freed before it, logged or not.
+        self.alloc.logged(self.log.durable_seq)
+        self.alloc.durable(self.log.durable_seq)
+        self.meta_full = self.log.snap_bytes > SNAPSHOT_LIMIT * self.log.capacity
+        log.info("checkpoint %d: %d bytes of snapshot", self.log.gen, self.log.snap_bytes)
+
+    def _snapshot_payloads(self) -> Iterator[bytes]:
+        parts: list[bytes] = [R.next_ino(self.next_ino)]
+        size = 0
+        # Parents before children so LINK entries find their directory on replay.
+        order = sorted(self.inodes)
+        for ino in order:
+            for e in self.inodes[ino].snapshot_entries():
+                parts.append(e)
+                size += len(e)
+            if size >= SNAPSHOT_RECORD:
+                yield b"".join(parts)
+                parts, size = [], 0
+        for ino in order:
+            node = self.inodes[ino]
+            if node.children:
+                for name, child in node.children.items():
+                    e = R.link(ino, name, child)
+                    parts.append(e)
+                    size += len(e)
+                    if size >= SNAPSHOT_RECORD:
+                        yield b"".join(parts)
+                        parts, size = [], 0
+        if parts:
+            yield b"".join(parts)
+
+    def close(self) -> None:
+        """Make everything durable; checkpoint when the log is long, so the next mount is quick."""
+        self.sync()
+        if self.log.used > self.log.capacity // 4:
+            self.checkpoint()
+
+    # ---------------------------------------------------------------- namespace
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        pnode = self._dir(parent)
+        if name == b".":
+            return pnode
+        if name == b"..":
+            return self.node(pnode.parent or ROOT_INO)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        assert pnode.children is not None
+        ino = pnode.children.get(name)
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        return self.inodes[ino]
+
+    def _make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
+              target: bytes = b"") -> Inode:
+        self._check_name(name)
+        pnode = self._dir(parent)
+        assert pnode.children is not None
+        if name in pnode.children:
+            raise FsError(errno.EEXIST)
+        self._new_inode_room(R.INODE.size * 2 + R.LINK.size + len(name) + len(target) + 16)
+        now = time.time_ns()
+        ino = self.next_ino
+        self.next_ino += 1
+        is_dir = stat.S_ISDIR(mode)
+        node = Inode(ino, mode, uid, gid, 2 if is_dir else 1, rdev, len(target), now, now, now)
+        self.inodes[ino] = node
+        entries: list[bytes] = []
+        if target:
+            node.target = target
+            entries.append(R.symlink(ino, target))
+        if is_dir:
+            node.parent = parent
+            pnode.nlink += 1
+        pnode.children[name] = ino
+        pnode.mtime = pnode.ctime = now
+        self._touch(node)
+        self._touch(pnode)
+        entries.append(R.link(parent, name, ino))
+        self._commit(entries)
+        return node
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+               rdev: int = 0) -> Inode:
+        return self._make(parent, name, mode, uid, gid, rdev)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        return self._make(parent, name, (mode & 0o7777) | stat.S_IFDIR, uid, gid)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        if len(target) > 4095:
+            raise FsError(errno.ENAMETOOLONG)
+        return self._make(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        self._check_name(name)
+        node = self.node(ino)
+        if node.is_dir:
+            raise FsError(errno.EPERM)
+        pnode = self._dir(parent)
+        assert pnode.children is not None
+        if name in pnode.children:
+            raise FsError(errno.EEXIST)
+        self._room(R.INODE.size * 2 + R.LINK.size + len(name) + 8)
+        now = time.time_ns()
+        node.nlink += 1
+        node.ctime = now
+        pnode.children[name] = ino
+        pnode.mtime = pnode.ctime = now
+        self._touch(node)
+        self._touch(pnode)
+        self._commit([R.link(parent, name, ino)])
+        return node
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        node = self.lookup(parent, name)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        self._remove(parent, name, node)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        if name == b".":
+            raise FsError(errno.EINVAL)
+        node = self.lookup(parent, name)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if node.children:
+            raise FsError(errno.ENOTEMPTY)
+        if node.ino == ROOT_INO:
+            raise FsError(errno.EBUSY)
+        self._remove(parent, name, node)
+
+    def _remove(self, parent: int, name: bytes, node: Inode) -> None:
+        self._room(R.INODE.size * 2 + R.UNLINK.size + len(name) + R.FREE.size + 8)
+        pnode = self.inodes[parent]
+        assert pnode.children is not None
+        now = time.time_ns()
+        del pnode.children[name]
+        if node.is_dir:
+            node.nlink = 0
+            pnode.nlink -= 1
+        else:
+            node.nlink -= 1
+        node.ctime = pnode.mtime = pnode.ctime = now
+        self._touch(pnode)
+        self._touch(node)
+        entries = [R.unlink(parent, name)]
+        freed = self._free_if_unused(node)
+        entries.extend(freed)
+        self._commit(entries, freeing=[node.ino] if freed else None)
+
+    def _is_ancestor(self, ino: int, of: int) -> bool:
+        """Is directory ino the same as, or an ancestor of, directory `of`?"""
+        cur = of
+        while True:
+            if cur == ino:
+                return True
+            if cur == ROOT_INO or cur == 0:
+                return False
+            cur = self.inodes[cur].parent
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int = 0) -> None:
+        noreplace, exchange = flags & 1, flags & 2  # RENAME_NOREPLACE, RENAME_EXCHANGE
+        if noreplace and exchange:
+            raise FsError(errno.EINVAL)
+        self._check_name(new_name)
+        src = self.lookup(old_parent, old_name)
+        op = self._dir(old_parent)
+        np_ = self._dir(new_parent)
+        assert op.children is not None and np_.children is not None
+        dst_ino = np_.children.get(new_name)
+        dst = self.inodes[dst_ino] if dst_ino is not None else None
+        if src.is_dir and self._is_ancestor(src.ino, new_parent):
+            raise FsError(errno.EINVAL)
+        if exchange:
+            if dst is None:
+                raise FsError(errno.ENOENT)
+            if dst.is_dir and self._is_ancestor(dst.ino, old_parent):
+                raise FsError(errno.EINVAL)
+        elif dst is not None:
+            if noreplace:
+                raise FsError(errno.EEXIST)
+            if dst.ino == src.ino:
+                return
+            if src.is_dir and not dst.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if dst.is_dir and not src.is_dir:
+                raise FsError(errno.EISDIR)
+            if dst.is_dir and dst.children:
+                raise FsError(errno.ENOTEMPTY)
+        self._room(R.INODE.size * 4 + 2 * (R.LINK.size + R.UNLINK.size) + len(old_name)
+                   + len(new_name) + R.FREE.size + 32)
+        now = time.time_ns()
+        entries: list[bytes] = []
+        freeing: list[int] = []
+        if exchange:
+            assert dst is not None
+            op.children[old_name], np_.children[new_name] = dst.ino, src.ino
+            entries += [R.link(old_parent, old_name, dst.ino), R.link(new_parent, new_name, src.ino)]
+            if old_parent != new_parent:
+                for moved, to, frm in ((src, np_, op), (dst, op, np_)):
+                    if moved.is_dir:
+                        moved.parent = to.ino
+                        to.nlink += 1
+                        frm.nlink -= 1
+            dst.ctime = now
+            self._touch(dst)
+        else:
+            if dst is not None:
+                if dst.is_dir:
+                    dst.nlink = 0
+                    np_.nlink -= 1
+                else:
+                    dst.nlink -= 1
+                dst.ctime = now
+                self._touch(dst)
+                freed = self._free_if_unused(dst)
+                if freed:
+                    freeing.append(dst.ino)
+                entries += freed
+            del op.children[old_name]
+            np_.children[new_name] = src.ino
+            entries += [R.unlink(old_parent, old_name), R.link(new_parent, new_name, src.ino)]
+            if src.is_dir and old_parent != new_parent:
+                src.parent = new_parent
+                np_.nlink += 1
+                op.nlink -= 1
+        src.ctime = now
+        op.mtime = op.ctime = np_.mtime = np_.ctime = now
+        self._touch(src)
+        self._touch(op)
+        self._touch(np_)
+        self._commit(entries, freeing=freeing or None)
+
+    def readdir(self, ino: int) -> list[tuple[bytes, int]]:
+        node = self._dir(ino)
+        assert node.children is not None
+        return list(node.children.items())
+
+    # ---------------------------------------------------------------- attributes
+
+    def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, size: int | None = None, atime: int | None = None,
+                mtime: int | None = None) -> Inode:
+        node = self.node(ino)
+        self._room(R.INODE.size + R.TRUNC.size)
+        now = time.time_ns()
+        if size is not None and size != node.size:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if not node.is_reg:
+                raise FsError(errno.EINVAL)
+            self.truncate(node, size)
+        if mode is not None:
+            node.mode = (node.mode & stat.S_IFMT) | (mode & 0o7777)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime is not None:
+            node.atime = atime
+        if mtime is not None:
+            node.mtime = mtime
+        node.ctime = now
+        self._touch(node)
+        return node
+
+    def truncate(self, node: Inode, size: int) -> None:
+        if size > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG)
+        if size < 0:
+            raise FsError(errno.EINVAL)
+        self._room(R.INODE.size + R.TRUNC.size)
+        old = node.size
+        if size > old:
+            self._zero_tail(node, old, size)
+        else:
+            first = (size + BLOCK - 1) >> BLOCK_SHIFT
+            gone = [b for b in node.blocks if b >= first]
+            if gone:
+                runs: list[tuple[int, int]] = []
+                for b in sorted(node.blocks.pop(b) for b in gone):
+                    if runs and runs[-1][0] + runs[-1][1] == b:
+                        runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                    else:
+                        runs.append((b, 1))
+                self.alloc.defer(runs)
+                self._map_change(node, R.trunc(node.ino, first))
+        node.size = size
+        node.mtime = node.ctime = time.time_ns()
+        self._touch(node)
+
+    def _zero_tail(self, node: Inode, old_size: int, upto: int) -> None:
+        """Zero the bytes past the old end of file in its last block, before exposing them."""
+        if old_size & (BLOCK - 1) == 0:
+            return
+        pb = node.blocks.get(old_size >> BLOCK_SHIFT)
+        if pb is None:
+            return
+        stop = min(upto, (old_size | (BLOCK - 1)) + 1)
+        a = self.data_off + (pb << BLOCK_SHIFT) + (old_size & (BLOCK - 1))
+        n = stop - old_size
+        self.buf[a: a + n] = bytes(n)
+        self.dirty_data.append((a, n))
+
+    # ---------------------------------------------------------------- xattrs
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        node = self.node(ino)
+        if len(name) > 255:
+            raise FsError(errno.ERANGE)
+        if len(value) > 65536:
+            raise FsError(errno.E2BIG)
+        self._new_inode_room(R.XSET.size + len(name) + len(value) + R.INODE.size + 8)
+        node.xattrs[name] = value
+        node.ctime = time.time_ns()
+        self._map_change(node, R.xset(ino, name, value))
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        value = self.node(ino).xattrs.get(name)
+        if value is None:
+            raise FsError(errno.ENODATA)
+        return value
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        node = self.node(ino)
+        if name not in node.xattrs:
+            raise FsError(errno.ENODATA)
+        self._room(R.XDEL.size + len(name) + R.INODE.size + 8)
+        del node.xattrs[name]
+        node.ctime = time.time_ns()
+        self._map_change(node, R.xdel(ino, name))
+
+    # ---------------------------------------------------------------- open files
+
+    def opened(self, ino: int) -> Inode:
+        node = self.node(ino)
+        node.opens += 1
+        return node
+
+    def released(self, ino: int) -> None:
+        node = self.inodes.get(ino)
+        if node is None:
+            return
+        node.opens -= 1
+        self._drop_if_gone(node)
+
+    def forget(self, ino: int, n: int) -> None:
+        node = self.inodes.get(ino)
+        if node is None:
+            return
+        node.lookups = max(0, node.lookups - n)
+        self._drop_if_gone(node)
+
+    def _drop_if_gone(self, node: Inode) -> None:
+        if node.nlink == 0 and node.lookups == 0 and node.opens == 0:
+            try:
+                self._room(R.FREE.size + 8)
+            except FsError:
+                return  # the orphan is reclaimed at the next mount instead
+            freed = self._free_if_unused(node)
+            if freed:
+                self._commit(freed, freeing=[node.ino])
+
+    # ---------------------------------------------------------------- data
+
+    def read(self, ino: int, off: int, size: int) -> bytes:
+        node = self.node(ino)
+        end = min(off + size, node.size)
+        if off >= end:
+            return b""
+        blocks = node.blocks
+        buf = self.buf
+        base = self.data_off
+        fb = off >> BLOCK_SHIFT
+        last = (end - 1) >> BLOCK_SHIFT
+        if fb == last:
+            pb = blocks.get(fb)
+            if pb is None:
+                return bytes(end - off)
+            a = base + (pb << BLOCK_SHIFT) + (off & (BLOCK - 1))
+            return bytes(buf[a: a + end - off])
+        parts: list[bytes] = []
+        pos = off
+        while pos < end:
+            fb = pos >> BLOCK_SHIFT
+            pb = blocks.get(fb)
+            # extend the run while file and pool blocks stay contiguous (or both holes)
+            nfb = fb + 1
+            if pb is None:
+                while nfb <= last and nfb not in blocks:
+                    nfb += 1
+            else:
+                while nfb <= last and blocks.get(nfb) == pb + (nfb - fb):
+                    nfb += 1
+            stop = min(end, nfb << BLOCK_SHIFT)
+            if pb is None:
+                parts.append(bytes(stop - pos))
+            else:
+                a = base + (pb << BLOCK_SHIFT) + (pos & (BLOCK - 1))
+                parts.append(buf[a: a + stop - pos])  # type: ignore[arg-type]
+            pos = stop
+        return b"".join(parts)
+
+    def write(self, ino: int, off: int, data: bytes | memoryview) -> int:
+        n = len(data)
+        if n == 0:
+            return 0
+        node = self.node(ino)
+        end = off + n
+        if end > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG)
+        blocks = node.blocks
+        buf = self.buf
+        base = self.data_off
+        fb = off >> BLOCK_SHIFT
+        last = (end - 1) >> BLOCK_SHIFT
+        if fb == last and fb in blocks and off <= node.size:
+            # the common overwrite-in-place case, kept short
+            a = base + (blocks[fb] << BLOCK_SHIFT) + (off & (BLOCK - 1))
+            buf[a: a + n] = data
+            self.dirty_data.append((a, n))
+        else:
+            self._write_slow(node, off, data)
+        if end > node.size:
+            node.size = end
+        node.mtime = node.ctime = time.time_ns()
+        if node.dirty is None:
+            self._touch(node)
+        return n
+
+    def _write_slow(self, node: Inode, off: int, data: bytes | memoryview) -> None:
+        n = len(data)
+        end = off + n
+        blocks = node.blocks
+        fb0 = off >> BLOCK_SHIFT
+        last = (end - 1) >> BLOCK_SHIFT
+        missing = [b for b in range(fb0, last + 1) if b not in blocks]
+        if missing:
+            try:
+                runs = self.alloc.alloc(len(missing))
+            except OutOfSpace as e:
+                if e.pending:
+                    raise NeedSync from None
+                raise FsError(errno.ENOSPC) from None
+            gaps = sum(1 for i in range(1, len(missing)) if missing[i] != missing[i - 1] + 1)
+            try:
+                self._room((len(runs) + gaps) * R.MAP.size + R.INODE.size)
+            except FsError:
+                self.alloc.release(runs)
+                raise
+        if off > node.size:
+            self._zero_tail(node, node.size, off)
+        if missing:
+            self._map_new(node, missing, runs, off, end)
+        mv = memoryview(data)
+        buf = self.buf
+        base = self.data_off
+        pos = off
+        dirty = self.dirty_data
+        while pos < end:
+            fb = pos >> BLOCK_SHIFT
+            pb = blocks[fb]
+            nfb = fb + 1
+            while nfb <= last and blocks.get(nfb) == pb + (nfb - fb):
+                nfb += 1
+            stop = min(end, nfb << BLOCK_SHIFT)
+            a = base + (pb << BLOCK_SHIFT) + (pos & (BLOCK - 1))
+            buf[a: a + stop - pos] = mv[pos - off: stop - off]
+            dirty.append((a, stop - pos))
+            pos = stop
+
+    def _map_new(self, node: Inode, missing: list[int], runs: list[tuple[int, int]],
+                 off: int, end: int) -> None:
+        """Map freshly allocated blocks and zero what the write will not cover in them."""
+        blocks = node.blocks
+        i = 0
+        entry_start: tuple[int, int] | None = None
+        count = 0
+        for pstart, pcount in runs:
+            for k in range(pcount):
+                fb = missing[i]
+                pb = pstart + k
+                blocks[fb] = pb
+                i += 1
+                if entry_start and entry_start[0] + count == fb and entry_start[1] + count == pb:
+                    count += 1
+                else:
+                    if entry_start:
+                        self._map_change(node, R.map_run(node.ino, entry_start[0], entry_start[1], count))
+                    entry_start, count = (fb, pb), 1
+        if entry_start:
+            self._map_change(node, R.map_run(node.ino, entry_start[0], entry_start[1], count))
+        base = self.data_off
+        head = missing[0]
+        if head == off >> BLOCK_SHIFT and off & (BLOCK - 1):
+            a = base + (blocks[head] << BLOCK_SHIFT)
+            self.buf[a: a + (off & (BLOCK - 1))] = bytes(off & (BLOCK - 1))
+            self.dirty_data.append((a, off & (BLOCK - 1)))
+        tail = missing[-1]
+        if tail == (end - 1) >> BLOCK_SHIFT and end & (BLOCK - 1):
+            a = base + (blocks[tail] << BLOCK_SHIFT) + (end & (BLOCK - 1))
+            k = BLOCK - (end & (BLOCK - 1))
+            self.buf[a: a + k] = bytes(k)
+            self.dirty_data.append((a, k))
+        # Blocks inside [off, end) that the write skips cannot exist: it is contiguous.
+
+    # ---------------------------------------------------------------- numbers
+
+    def statfs(self) -> dict[str, int]:
+        cap = self.log.capacity * SNAPSHOT_LIMIT
+        files = int(cap // INODE_COST)
+        return {
+            "bsize": BLOCK,
+            "blocks": self.hdr.data_blocks,
+            "bfree": self.alloc.free + self.alloc.pending_blocks,
+            "files": max(files, len(self.inodes)),
+            "ffree": max(0, files - len(self.inodes)),
+            "namemax": NAME_MAX,
+        }
+
+
+def _coalesce(ranges: Ranges) -> Ranges:
+    if len(ranges) <= 1:
+        return list(ranges)
+    ranges = sorted(ranges)
+    out = [ranges[0]]
+    for a, n in ranges[1:]:
+        pa, pn = out[-1]
+        if a <= pa + pn:
+            if a + n > pa + pn:
+                out[-1] = (pa, a + n - pa)
+        else:
+            out.append((a, n))
+    return out

@@ -1,0 +1,147 @@
+"""Where things live in a pool, and the pool header.
+
+A pool is one file:
+
+    [0, 4K)          primary header
+    [4K, 8K)         backup header (mkfs writes both; mount repairs one from the other)
+    [8K, 8K+A)       log area 0
+    [8K+A, 8K+2A)    log area 1
+    [data_off, end)  data blocks of BLOCK bytes
+
+Only one log area is active: the one whose area header is valid and has the highest
+generation. A checkpoint writes a snapshot of the whole metadata into the other area and
+switches by writing that area's header last, so a crash at any point leaves one intact area.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid as uuidlib
+from dataclasses import dataclass
+
+from rpmemfs.native import crc32c
+
+MAGIC = b"RPMEMFS\x00"
+VERSION = 1
+BLOCK = 4096
+BLOCK_SHIFT = 12
+HEADER_OFF = 0
+BACKUP_OFF = 4096
+AREAS_OFF = 8192
+MIN_POOL = 4 << 20
+MIN_AREA = 256 << 10
+MAX_AREA = 1 << 30
+DATA_ALIGN = 64 << 10
+
+# magic, version, flags, uuid, pool_size, block_size, area_size, data_off, data_blocks,
+# created_ns, epoch; crc follows over all of these.
+_HDR = struct.Struct("<8sII16sQIIQQQQQ")
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HDR.size + _CRC.size
+
+AREA_MAGIC = b"RPMLOG\x00\x01"
+# magic, gen, start_seq (first record), snap_end_seq (last snapshot record), uuid; crc follows.
+_AREA = struct.Struct("<8sQQQ16s")
+AREA_HDR_BYTES = _AREA.size + _CRC.size
+AREA_RECORDS_OFF = 4096  # records start one block into the area so the header has its own lines
+
+
+class PoolFormatError(Exception):
+    """The pool is not usable as it stands; the message says why."""
+
+
+@dataclass(frozen=True)
+class Header:
+    uuid: bytes
+    pool_size: int
+    area_size: int
+    data_off: int
+    data_blocks: int
+    created_ns: int
+    epoch: int = 0
+    version: int = VERSION
+    flags: int = 0
+    block_size: int = BLOCK
+
+    def area_off(self, index: int) -> int:
+        return AREAS_OFF + index * self.area_size
+
+    def encode(self) -> bytes:
+        body = _HDR.pack(
+            MAGIC, self.version, self.flags, self.uuid, self.pool_size, self.block_size,
+            0, self.area_size, self.data_off, self.data_blocks, self.created_ns, self.epoch,
+        )
+        return body + _CRC.pack(crc32c(body))
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> Header:
+        """Parse one header copy; PoolFormatError says what is wrong with it."""
+        raw = bytes(raw[:HEADER_BYTES])
+        if len(raw) < HEADER_BYTES:
+            raise PoolFormatError("header is cut short")
+        fields = _HDR.unpack_from(raw)
+        if fields[0] != MAGIC:
+            raise PoolFormatError("bad magic (not an rpmemfs pool)")
+        (crc,) = _CRC.unpack_from(raw, _HDR.size)
+        if crc != crc32c(raw[: _HDR.size]):
+            raise PoolFormatError("header checksum mismatch")
+        (_, version, flags, uid, pool_size, block_size, _pad, area_size, data_off,
+         data_blocks, created_ns, epoch) = fields
+        if version != VERSION:
+            raise PoolFormatError(f"unsupported pool version {version} (this rpmemfs reads {VERSION})")
+        if block_size != BLOCK:
+            raise PoolFormatError(f"unsupported block size {block_size}")
+        hdr = cls(uid, pool_size, area_size, data_off, data_blocks, created_ns, epoch,
+                  version, flags, block_size)
+        hdr.validate()
+        return hdr
+
+    def validate(self) -> None:
+        if self.area_size < MIN_AREA or self.area_size % BLOCK:
+            raise PoolFormatError(f"bad log area size {self.area_size}")
+        if self.data_off < AREAS_OFF + 2 * self.area_size or self.data_off % BLOCK:
+            raise PoolFormatError(f"bad data offset {self.data_off}")
+        if self.data_off + self.data_blocks * BLOCK > self.pool_size or self.data_blocks < 1:
+            raise PoolFormatError("data region does not fit in the pool")
+
+    @property
+    def uuid_str(self) -> str:
+        return str(uuidlib.UUID(bytes=self.uuid))
+
+
+def plan(pool_size: int, uid: bytes, created_ns: int) -> Header:
+    """Choose the layout for a new pool of pool_size bytes."""
+    if pool_size < MIN_POOL:
+        raise PoolFormatError(f"pool size {pool_size} is below the minimum of {MIN_POOL >> 20}M")
+    # Each area must hold a full metadata snapshot plus room to log; 1/32 of the pool per area
+    # leaves about 3% for metadata, which a checkpoint of ~150 bytes per small file fits.
+    area = min(MAX_AREA, max(MIN_AREA, (pool_size // 32) // BLOCK * BLOCK))
+    data_off = -(-(AREAS_OFF + 2 * area) // DATA_ALIGN) * DATA_ALIGN
+    blocks = (pool_size - data_off) // BLOCK
+    hdr = Header(uid, pool_size, area, data_off, blocks, created_ns)
+    hdr.validate()
+    return hdr
+
+
+@dataclass(frozen=True)
+class AreaHeader:
+    gen: int
+    start_seq: int
+    snap_end_seq: int
+    uuid: bytes
+
+    def encode(self) -> bytes:
+        body = _AREA.pack(AREA_MAGIC, self.gen, self.start_seq, self.snap_end_seq, self.uuid)
+        return body + _CRC.pack(crc32c(body))
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> AreaHeader | None:
+        """The area header, or None when it is blank, torn or foreign."""
+        raw = bytes(raw[:AREA_HDR_BYTES])
+        magic, gen, start, snap_end, uid = _AREA.unpack_from(raw)
+        if magic != AREA_MAGIC:
+            return None
+        (crc,) = _CRC.unpack_from(raw, _AREA.size)
+        if crc != crc32c(raw[: _AREA.size]):
+            return None
+        return cls(gen, start, snap_end, uid)

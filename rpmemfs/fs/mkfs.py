@@ -1,0 +1,98 @@
+"""Making a new pool file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+import uuid as uuidlib
+from collections.abc import Callable
+
+from rpmemfs.fs import records as R
+from rpmemfs.fs.layout import (
+    AREA_RECORDS_OFF,
+    BACKUP_OFF,
+    HEADER_OFF,
+    AreaHeader,
+    Header,
+    PoolFormatError,
+    plan,
+)
+from rpmemfs.fs.replay import ROOT_INO
+from rpmemfs.pmem import PoolMapping
+
+
+class MkfsError(Exception):
+    pass
+
+
+def _zero(fd: int, size: int, progress: Callable[[int, int], None] | None) -> None:
+    # fallocate reserves the space now, so a full disk fails here rather than as SIGBUS later.
+    chunk = 256 << 20
+    done = 0
+    while done < size:
+        n = min(chunk, size - done)
+        try:
+            os.posix_fallocate(fd, done, n)
+        except OSError as e:
+            raise MkfsError(f"cannot allocate {size} bytes for the pool: {e.strerror}") from e
+        done += n
+        if progress:
+            progress(done, size)
+
+
+def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid: int | None = None,
+         progress: Callable[[int, int], None] | None = None) -> Header:
+    """Create the pool file at path with an empty root directory; returns its header."""
+    try:
+        hdr = plan(size, uuidlib.uuid4().bytes, time.time_ns())
+    except PoolFormatError as e:
+        raise MkfsError(str(e)) from None
+    if os.path.lexists(path) and not force:
+        raise MkfsError(f"{path} exists; use --force to overwrite it")
+    if os.path.isdir(path):
+        raise MkfsError(f"{path} is a directory")
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(parent):
+        raise MkfsError(f"directory {parent} does not exist")
+    existing = os.path.getsize(path) if os.path.isfile(path) else 0
+    free = shutil.disk_usage(parent).free + existing
+    if size > free:
+        raise MkfsError(f"not enough free space in {parent}: pool needs {size} bytes, "
+                        f"{free} available")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        raise MkfsError(f"cannot create {path}: {e.strerror}") from e
+    try:
+        _zero(fd, size, progress)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    with PoolMapping.open(path, "msync") as pm:
+        buf = pm.buf
+        now = time.time_ns()
+        root_mode = stat.S_IFDIR | 0o755
+        payload = b"".join([
+            R.next_ino(ROOT_INO + 1),
+            R.inode(ROOT_INO, root_mode, os.getuid() if uid is None else uid,
+                    os.getgid() if gid is None else gid, 2, 0, 0, now, now, now),
+        ])
+        base = hdr.area_off(0)
+        rec = R.frame(1, payload)
+        buf[base + AREA_RECORDS_OFF: base + AREA_RECORDS_OFF + len(rec)] = rec
+        ah = AreaHeader(1, 1, 1, hdr.uuid).encode()
+        buf[base: base + len(ah)] = ah
+        raw = hdr.encode()
+        buf[BACKUP_OFF: BACKUP_OFF + len(raw)] = raw
+        buf[HEADER_OFF: HEADER_OFF + len(raw)] = raw
+        pm.persist([(0, hdr.data_off)])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return hdr

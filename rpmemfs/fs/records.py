@@ -1,0 +1,200 @@
+"""Metadata log records and the entries inside them.
+
+A record is the unit of atomicity: a header (crc32c, payload length, sequence number) and a
+payload of entries, each 8-byte aligned. Replay applies a record whole or not at all; a record
+whose checksum fails ends the log (a torn tail) unless intact records follow it (damage).
+Entries state facts ("inode 7 has these attributes", "block run 10..20 of inode 7 is at pool
+block 900"), so replaying a snapshot and then the log yields the same state as the live index.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rpmemfs.native import crc32c
+
+REC = struct.Struct("<IIQ")  # crc, payload length, seq
+REC_BYTES = REC.size
+_LEN_SEQ = struct.Struct("<IQ")
+
+T_INODE = 1
+T_LINK = 2      # directory entry added
+T_UNLINK = 3    # directory entry removed
+T_MAP = 4       # run of file blocks mapped to pool blocks
+T_TRUNC = 5     # every file block >= fblk unmapped
+T_FREE = 6      # inode gone, with all its blocks
+T_SYMLINK = 7
+T_XSET = 8
+T_XDEL = 9
+T_NEXTINO = 10
+
+# tag, mode, ino, uid, gid, nlink, rdev, size, atime, mtime, ctime
+INODE = struct.Struct("<BxxxIQIIIIQqqq")
+# tag, namelen, parent, ino
+LINK = struct.Struct("<BxHxxxxQQ")
+# tag, namelen, parent
+UNLINK = struct.Struct("<BxHxxxxQ")
+# tag, count, ino, fblk, pblk
+MAP = struct.Struct("<BxxxIQQQ")
+# tag, ino, fblk
+TRUNC = struct.Struct("<BxxxxxxxQQ")
+# tag, ino
+FREE = struct.Struct("<BxxxxxxxQ")
+# tag, len, ino
+SYMLINK = struct.Struct("<BxxxIQ")
+# tag, namelen, vallen, ino
+XSET = struct.Struct("<BxHIQ")
+# tag, namelen, ino
+XDEL = struct.Struct("<BxHxxxxQ")
+# tag, next_ino
+NEXTINO = struct.Struct("<BxxxxxxxQ")
+
+
+def _pad(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _tail(raw: bytes) -> bytes:
+    extra = _pad(len(raw)) - len(raw)
+    return raw + b"\0" * extra if extra else raw
+
+
+def inode(ino: int, mode: int, uid: int, gid: int, nlink: int, rdev: int, size: int,
+          atime: int, mtime: int, ctime: int) -> bytes:
+    return INODE.pack(T_INODE, mode, ino, uid, gid, nlink, rdev, size, atime, mtime, ctime)
+
+
+def link(parent: int, name: bytes, ino: int) -> bytes:
+    return LINK.pack(T_LINK, len(name), parent, ino) + _tail(name)
+
+
+def unlink(parent: int, name: bytes) -> bytes:
+    return UNLINK.pack(T_UNLINK, len(name), parent) + _tail(name)
+
+
+def map_run(ino: int, fblk: int, pblk: int, count: int) -> bytes:
+    return MAP.pack(T_MAP, count, ino, fblk, pblk)
+
+
+def trunc(ino: int, fblk: int) -> bytes:
+    return TRUNC.pack(T_TRUNC, ino, fblk)
+
+
+def free(ino: int) -> bytes:
+    return FREE.pack(T_FREE, ino)
+
+
+def symlink(ino: int, target: bytes) -> bytes:
+    return SYMLINK.pack(T_SYMLINK, len(target), ino) + _tail(target)
+
+
+def xset(ino: int, name: bytes, value: bytes) -> bytes:
+    return XSET.pack(T_XSET, len(name), len(value), ino) + _tail(name + value)
+
+
+def xdel(ino: int, name: bytes) -> bytes:
+    return XDEL.pack(T_XDEL, len(name), ino) + _tail(name)
+
+
+def next_ino(value: int) -> bytes:
+    return NEXTINO.pack(T_NEXTINO, value)
+
+
+def frame(seq: int, payload: bytes) -> bytes:
+    """A whole record, padded to 8 bytes, ready to copy into a log area."""
+    head = _LEN_SEQ.pack(len(payload), seq)
+    crc = crc32c(payload, crc32c(head))
+    return struct.pack("<I", crc) + head + _tail(payload)
+
+
+@dataclass(frozen=True)
+class RecordView:
+    offset: int  # within the area
+    length: int  # whole record on the pool, header and padding included
+    seq: int
+    payload: memoryview
+
+
+def read_record(area: memoryview, off: int, seq: int) -> RecordView | None:
+    """The record at off if it is intact and has sequence number seq, else None."""
+    if off + REC_BYTES > len(area):
+        return None
+    crc, length, got_seq = REC.unpack_from(area, off)
+    if got_seq != seq or length == 0 or off + REC_BYTES + length > len(area):
+        return None
+    payload = area[off + REC_BYTES: off + REC_BYTES + length]
+    if crc32c(payload, crc32c(area[off + 4: off + REC_BYTES])) != crc:
+        return None
+    return RecordView(off, REC_BYTES + _pad(length), seq, payload)
+
+
+def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 << 10) -> int | None:
+    """Offset of an intact record numbered above seq within window bytes after off.
+
+    Used only after a record failed its checksum, to tell a torn tail (nothing intact
+    follows) from damage in the middle of the log (intact, newer records follow).
+    """
+    end = min(len(area) - REC_BYTES, off + window)
+    probes = range(off + 8, end + 1, 8)
+    if off + REC_BYTES <= len(area):  # the damaged record's own length, when it is plausible
+        _crc, length, _seq = REC.unpack_from(area, off)
+        nxt = off + REC_BYTES + _pad(length)
+        if length > 0 and nxt + REC_BYTES <= len(area):
+            probes = [nxt, *probes]
+    for probe in probes:
+        _crc, length, got = REC.unpack_from(area, probe)
+        if seq < got < seq + (1 << 20) and read_record(area, probe, got) is not None:
+            return probe
+    return None
+
+
+def entries(payload: memoryview) -> Iterator[tuple[int, tuple, bytes]]:
+    """Yield (tag, fixed fields, trailing bytes) for each entry of a payload."""
+    off = 0
+    n = len(payload)
+    while off < n:
+        tag = payload[off]
+        if tag == T_INODE:
+            yield tag, INODE.unpack_from(payload, off), b""
+            off += INODE.size
+        elif tag == T_MAP:
+            yield tag, MAP.unpack_from(payload, off), b""
+            off += MAP.size
+        elif tag == T_LINK:
+            f = LINK.unpack_from(payload, off)
+            start = off + LINK.size
+            yield tag, f, bytes(payload[start: start + f[1]])
+            off = start + _pad(f[1])
+        elif tag == T_UNLINK:
+            f = UNLINK.unpack_from(payload, off)
+            start = off + UNLINK.size
+            yield tag, f, bytes(payload[start: start + f[1]])
+            off = start + _pad(f[1])
+        elif tag == T_TRUNC:
+            yield tag, TRUNC.unpack_from(payload, off), b""
+            off += TRUNC.size
+        elif tag == T_FREE:
+            yield tag, FREE.unpack_from(payload, off), b""
+            off += FREE.size
+        elif tag == T_SYMLINK:
+            f = SYMLINK.unpack_from(payload, off)
+            start = off + SYMLINK.size
+            yield tag, f, bytes(payload[start: start + f[1]])
+            off = start + _pad(f[1])
+        elif tag == T_XSET:
+            f = XSET.unpack_from(payload, off)
+            start = off + XSET.size
+            yield tag, f, bytes(payload[start: start + f[1] + f[2]])
+            off = start + _pad(f[1] + f[2])
+        elif tag == T_XDEL:
+            f = XDEL.unpack_from(payload, off)
+            start = off + XDEL.size
+            yield tag, f, bytes(payload[start: start + f[1]])
+            off = start + _pad(f[1])
+        elif tag == T_NEXTINO:
+            yield tag, NEXTINO.unpack_from(payload, off), b""
+            off += NEXTINO.size
+        else:
+            raise ValueError(f"unknown entry tag {tag} at payload offset {off}")

@@ -1,0 +1,307 @@
+"""POSIX calls from the kernel (pyfuse3) turned into filesystem calls, and errors into errnos.
+
+Errno choices worth knowing: a full pool gives ENOSPC (data blocks or the metadata log);
+names over 255 bytes ENAMETOOLONG; a durability point that cannot complete gives EIO, as a
+disk would. fallocate(2) is not offered by pyfuse3, so the kernel answers EOPNOTSUPP and
+posix_fallocate(3) falls back to writing zeros, which works.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import stat
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
+from rpmemfs.fs.inode import Inode
+from rpmemfs.fs.layout import BLOCK
+
+log = logging.getLogger("rpmemfs.fuse")
+
+STATUS_XATTR = b"user.rpmemfs.status"
+TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon anyway
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def errors(fn: F) -> F:
+    """Turn filesystem errors into FUSE replies; anything unexpected becomes EIO, logged."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Stats:
+    """Counters `rpmemfs status` shows."""
+
+    def __init__(self) -> None:
+        self.fsyncs = 0
+        self.latencies: deque[int] = deque(maxlen=20000)
+        self.started = time.time()
+
+    def percentiles(self) -> dict[str, float]:
+        if not self.latencies:
+            return {"p50": 0.0, "p99": 0.0}
+        s = sorted(self.latencies)
+        return {"p50": s[len(s) // 2] / 1000, "p99": s[min(len(s) - 1, len(s) * 99 // 100)] / 1000}
+
+
+class Operations(pyfuse3.Operations):
+    enable_writeback_cache = False
+    supports_dot_lookup = True
+
+    def __init__(self, fs: Filesystem, describe: Callable[[], dict[str, Any]]) -> None:
+        super().__init__()
+        self.fs = fs
+        self.stats = Stats()
+        self.describe = describe
+        self._dirs: dict[int, list[tuple[bytes, int]]] = {}
+        self._next_dh = 1
+
+    # ---------------------------------------------------------------- helpers
+
+    def entry(self, node: Inode) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = node.ino
+        e.generation = 0
+        e.entry_timeout = TIMEOUT
+        e.attr_timeout = TIMEOUT
+        e.st_mode = node.mode
+        e.st_nlink = node.nlink
+        e.st_uid = node.uid
+        e.st_gid = node.gid
+        e.st_rdev = node.rdev
+        e.st_size = BLOCK if node.children is not None else node.size
+        e.st_blksize = BLOCK
+        e.st_blocks = len(node.blocks) * (BLOCK // 512)
+        e.st_atime_ns = node.atime
+        e.st_mtime_ns = node.mtime
+        e.st_ctime_ns = node.ctime
+        return e
+
+    def looked_up(self, node: Inode) -> pyfuse3.EntryAttributes:
+        node.lookups += 1
+        return self.entry(node)
+
+    async def durable(self) -> None:
+        """A durability point, timed for status."""
+        t0 = time.perf_counter_ns()
+        self.fs.sync()
+        self.stats.fsyncs += 1
+        self.stats.latencies.append(time.perf_counter_ns() - t0)
+
+    # ---------------------------------------------------------------- namespace
+
+    @errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
+        return self.looked_up(self.fs.lookup(parent_inode, name))
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            try:
+                self.fs.forget(ino, n)
+            except Exception:
+                log.exception("forget of inode %d", ino)
+
+    @errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.entry(self.fs.node(inode))
+
+    @errors
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = await self._retry(lambda: self.fs.setattr(
+            inode,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime=attr.st_atime_ns if fields.update_atime else None,
+            mtime=attr.st_mtime_ns if fields.update_mtime else None,
+        ))
+        return self.entry(node)
+
+    @errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.fs.node(inode)
+        if not stat.S_ISLNK(node.mode):
+            raise FsError(errno.EINVAL)
+        return node.target
+
+    @errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.looked_up(self.fs.create(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+
+    @errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+                    ) -> pyfuse3.EntryAttributes:
+        return self.looked_up(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.unlink(parent_inode, name)
+
+    @errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.rmdir(parent_inode, name)
+
+    @errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.looked_up(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @errors
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.looked_up(self.fs.link(inode, new_parent_inode, new_name))
+
+    # ---------------------------------------------------------------- files
+
+    @errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self.fs.node(inode)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        self.fs.opened(inode)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    @errors
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        node = self.fs.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        self.fs.opened(node.ino)
+        return pyfuse3.FileInfo(fh=node.ino, keep_cache=True), self.looked_up(node)
+
+    @errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return self.fs.read(fh, off, size)
+
+    @errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        try:
+            return self.fs.write(fh, off, buf)
+        except NeedSync:
+            # Blocks freed by earlier changes become reusable once those changes are durable.
+            await self.durable()
+            return self.fs.write(fh, off, buf)
+
+    async def _retry(self, call: Callable[[], Inode]) -> Inode:
+        try:
+            return call()
+        except NeedSync:
+            await self.durable()
+            return call()
+
+    async def flush(self, fh: int) -> None:
+        # close(2) is not a durability point in POSIX; fsync is.
+        return None
+
+    @errors
+    async def release(self, fh: int) -> None:
+        self.fs.released(fh)
+
+    @errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.durable()
+
+    # ---------------------------------------------------------------- directories
+
+    @errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        self.fs.readdir(inode)  # ENOTDIR / ENOENT now rather than at readdir
+        dh = self._next_dh
+        self._next_dh += 1
+        self._dirs[dh] = [(b"", inode)]  # placeholder: the listing is taken at offset 0
+        return dh
+
+    @errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        listing = self._dirs.get(fh)
+        if listing is None:
+            raise FsError(errno.EBADF)
+        if start_id == 0:
+            # A fresh listing at offset 0 (also after rewinddir); later chunks page through it.
+            ino = listing[0][1] if listing and listing[0][0] == b"" else None
+            if ino is not None:
+                listing = [(b"", ino), *self.fs.readdir(ino)]
+                self._dirs[fh] = listing
+        for i in range(start_id + 1, len(listing)):
+            name, child = listing[i]
+            node = self.fs.inodes.get(child)
+            if node is None:
+                continue
+            if not pyfuse3.readdir_reply(token, name, self.entry(node), i):
+                return
+            node.lookups += 1
+
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @errors
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.durable()
+
+    @errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = self.fs.statfs()
+        d = pyfuse3.StatvfsData()
+        d.f_bsize = d.f_frsize = s["bsize"]
+        d.f_blocks = s["blocks"]
+        d.f_bfree = d.f_bavail = s["bfree"]
+        d.f_files = s["files"]
+        d.f_ffree = d.f_favail = s["ffree"]
+        d.f_namemax = s["namemax"]
+        return d
+
+    # ---------------------------------------------------------------- xattrs
+
+    @errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        if name == STATUS_XATTR:
+            raise FsError(errno.EPERM)
+        await self._retry(lambda: (self.fs.setxattr(inode, name, value), self.fs.node(inode))[1])
+
+    @errors
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if name == STATUS_XATTR and inode == pyfuse3.ROOT_INODE:
+            return json.dumps(self.describe()).encode()
+        return self.fs.getxattr(inode, name)
+
+    @errors
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return list(self.fs.node(inode).xattrs)
+
+    @errors
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.removexattr(inode, name)
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        # default_permissions makes the kernel check modes itself.
+        return True

@@ -1,0 +1,204 @@
+"""The mount daemon: opens the pool, mounts it with FUSE, serves until unmounted or signalled."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+import trio
+
+from rpmemfs import logs
+from rpmemfs.fs.filesystem import Filesystem
+from rpmemfs.fs.layout import BLOCK, PoolFormatError
+from rpmemfs.fuse import Operations
+from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
+
+log = logging.getLogger("rpmemfs.mount")
+
+# Options mount(8) and fstab hand every helper; they mean nothing to us.
+IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto", "user",
+           "nouser", "async", "defaults", "_netdev", "nofail", "atime", "noatime", "relatime"}
+
+
+class MountError(Exception):
+    pass
+
+
+@dataclass
+class MountOptions:
+    pmem: str = "auto"
+    log_level: str = "warning"
+    log_file: str | None = None
+    allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
+    extra: list[str] = field(default_factory=list)
+
+
+def parse_options(opts: list[str]) -> MountOptions:
+    mo = MountOptions()
+    for group in opts:
+        for opt in group.split(","):
+            opt = opt.strip()
+            if not opt or opt in IGNORED or opt.startswith("x-"):
+                continue
+            key, _, value = opt.partition("=")
+            if key == "pmem":
+                if value not in PMEM_MODES:
+                    raise MountError(f"pmem= must be one of {', '.join(PMEM_MODES)}, not {value!r}")
+                mo.pmem = value
+            elif key == "debug":
+                mo.log_level = "debug"
+            elif key == "log_level":
+                mo.log_level = value
+            elif key == "log":
+                mo.log_file = value
+            elif key == "allow_other":
+                mo.allow_other = True
+            elif key in ("min_replicas", "replica_timeout"):
+                raise MountError(f"option {key} needs replication, which this build lacks")
+            else:
+                raise MountError(f"unknown mount option {opt!r}")
+    return mo
+
+
+class Mounted:
+    """A pool opened and served at a mountpoint."""
+
+    def __init__(self, pool: str, mountpoint: str, mo: MountOptions) -> None:
+        self.pool = os.path.abspath(pool)
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.mo = mo
+        if not os.path.exists(self.pool):
+            raise MountError(f"pool {pool} does not exist")
+        if not os.path.isdir(self.mountpoint):
+            raise MountError(f"mountpoint {mountpoint} is not a directory")
+        if os.path.ismount(self.mountpoint):
+            raise MountError(f"{mountpoint} is already a mount point")
+        t0 = time.perf_counter()
+        try:
+            self.mapping = PoolMapping.open(self.pool, mo.pmem)
+        except PmemError as e:
+            raise MountError(str(e)) from None
+        try:
+            self.fs = Filesystem.open(self.mapping.buf, self.mapping)
+        except PoolFormatError as e:
+            self.mapping.close()
+            raise MountError(f"cannot mount {pool}: {e}") from None
+        self.open_seconds = time.perf_counter() - t0
+        self.ops = Operations(self.fs, self.describe)
+
+    def describe(self) -> dict[str, Any]:
+        fs = self.fs
+        st = fs.statfs()
+        return {
+            "pool": self.pool,
+            "mountpoint": self.mountpoint,
+            "uuid": fs.hdr.uuid_str,
+            "size": fs.hdr.pool_size,
+            "data_size": fs.hdr.data_blocks * BLOCK,
+            "used": (st["blocks"] - st["bfree"]) * BLOCK,
+            "free": st["bfree"] * BLOCK,
+            "inodes": len(fs.inodes),
+            "pmem_mode": self.mapping.kind,
+            "pmem_requested": self.mapping.requested,
+            "fsync_count": self.ops.stats.fsyncs,
+            "fsync_latency_us": self.ops.stats.percentiles(),
+            "log": {"area": fs.log.active, "generation": fs.log.gen, "used": fs.log.used,
+                    "capacity": fs.log.capacity, "records_appended": fs.log.records,
+                    "checkpoints": fs.log.checkpoints},
+            "replay": {"records": fs.replay_stats[0], "entries": fs.replay_stats[1],
+                       "seconds": round(fs.replay_stats[2], 4)},
+            "open_seconds": round(self.open_seconds, 4),
+            "pid": os.getpid(),
+            "replicas": [],
+        }
+
+    def fuse_options(self) -> set[str]:
+        opts = set(pyfuse3.default_options)
+        opts |= {"fsname=rpmemfs:" + self.pool, "subtype=rpmemfs"}
+        if self.mo.allow_other:
+            opts.add("allow_other")
+        return opts
+
+    def start(self) -> None:
+        try:
+            pyfuse3.init(self.ops, self.mountpoint, self.fuse_options())
+        except RuntimeError as e:
+            self.mapping.close()
+            raise MountError(f"FUSE mount at {self.mountpoint} failed: {e}") from None
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._signals, nursery.cancel_scope)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    async def _signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                log.info("signal %s: unmounting", signal.Signals(sig).name)
+                pyfuse3.terminate()
+                return
+
+    def finish(self) -> None:
+        try:
+            self.fs.close()
+        finally:
+            pyfuse3.close(unmount=True)
+            self.mapping.close()
+
+
+def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
+    mo = parse_options(opts)
+    if foreground:
+        logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
+        m = Mounted(pool, mountpoint, mo)
+        m.start()
+        try:
+            trio.run(m.serve)
+        finally:
+            m.finish()
+        return 0
+    return _daemonize(pool, mountpoint, mo)
+
+
+def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
+    """Fork; the parent returns once the child has mounted (or says why it could not)."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as r:
+            msg = r.read().decode(errors="replace")
+        if msg == "ok":
+            return 0
+        sys.stderr.write(f"rpmemfs: {msg or 'mount daemon died while starting'}\n")
+        return 1
+    os.close(rfd)
+    os.setsid()
+    code = 1
+    try:
+        logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
+        try:
+            m = Mounted(pool, mountpoint, mo)
+            m.start()
+        except MountError as e:
+            os.write(wfd, str(e).encode())
+            os._exit(1)
+        os.write(wfd, b"ok")
+        os.close(wfd)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1) if mo.log_file else (0, 1, 2):
+            os.dup2(devnull, fd)
+        try:
+            trio.run(m.serve)
+            code = 0
+        finally:
+            m.finish()
+    finally:
+        os._exit(code)

@@ -1,0 +1,34 @@
+"""Python face of the compiled helper in ``native/`` (cache flushes, NT copies, CRC-32C)."""
+
+try:
+    from rpmemfs._native import ffi, lib
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    # Without the helper there is no way to make pool writes durable, so running
+    # on a pure-Python fallback would silently lose data: refuse instead.
+    raise RuntimeError(
+        "rpmemfs native helper is not built: reinstall with `pip install .` from the "
+        "source tree; needs a C compiler and Python headers"
+    ) from exc
+
+__all__ = ["BytesLike", "crc32c", "crc32c_hw", "ffi", "flush_kind", "lib"]
+
+BytesLike = bytes | bytearray | memoryview
+
+_FLUSH_KINDS = {2: "clwb", 1: "clflushopt", 0: "clflush"}
+
+
+def flush_kind() -> str:
+    """The cache-line write-back instruction in use: "clwb", "clflushopt" or "clflush"."""
+    return _FLUSH_KINDS[lib.rpm_flush_kind()]
+
+
+def crc32c_hw() -> bool:
+    """True when CRC-32C runs on the SSE4.2 crc32 instruction rather than a table."""
+    return bool(lib.rpm_has_crc32c_hw())
+
+
+def crc32c(data: BytesLike, crc: int = 0) -> int:
+    """CRC-32C of ``data``; pass a previous result as ``crc`` to continue it."""
+    # nbytes, not len(): a memoryview of a wider format counts items, not bytes.
+    nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
+    return int(lib.rpm_crc32c(crc, ffi.from_buffer(data), nbytes))

@@ -1,0 +1,205 @@
+"""Mapping of a pool file and the ways its stores are made durable.
+
+Three kinds of mapping exist, after what the file system and the caller allow:
+
+* ``dax``: MAP_SYNC on a DAX file system. Stores reach persistent memory by cache
+  write-back alone (clwb + sfence); the kernel keeps file metadata in step.
+* ``force``: an ordinary shared mapping handled as if it were persistent memory,
+  like PMDK's PMEM_IS_PMEM_FORCE. Fast, but durability is only emulated.
+* ``msync``: an ordinary shared mapping made durable with msync(MS_SYNC).
+"""
+
+import errno
+import logging
+import mmap
+import os
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Self
+
+from rpmemfs.native import BytesLike, ffi, lib
+
+log = logging.getLogger("rpmemfs.pmem")
+
+PMEM_MODES = ("auto", "force", "msync")
+
+# Linux values, absent from the mmap module; it hands flags to mmap(2) untouched, and
+# MAP_SHARED_VALIDATE is what makes a kernel refuse MAP_SYNC instead of ignoring it.
+MAP_SHARED_VALIDATE = 0x03
+MAP_SYNC = 0x80000
+
+_PAGE = mmap.PAGESIZE
+_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+
+class PmemError(Exception):
+    """The pool file cannot be mapped or written as asked."""
+
+
+def _map(fd: int, size: int, path: str, mode: str, readonly: bool) -> tuple[mmap.mmap, str]:
+    plain_kind = "force" if mode == "force" else "msync"
+    try:
+        if readonly:
+            # Nothing is ever written back through a read-only view, so MAP_SYNC buys nothing.
+            return mmap.mmap(fd, size, access=mmap.ACCESS_READ), plain_kind
+        if mode == "auto":
+            try:
+                flags = MAP_SHARED_VALIDATE | MAP_SYNC
+                return mmap.mmap(fd, size, flags=flags, prot=_RW), "dax"
+            except OSError as exc:
+                # EOPNOTSUPP: not a DAX file system; EINVAL: a kernel older than MAP_SYNC.
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise PmemError(f"MAP_SYNC mapping of {path} failed: {exc.strerror}") from exc
+                log.debug("MAP_SYNC refused for %s (%s); using msync", path, exc.strerror)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=_RW), plain_kind
+    except OSError as exc:
+        raise PmemError(f"cannot map pool {path}: {exc.strerror or exc}") from exc
+
+
+def _page_spans(pairs: list[int], size: int) -> list[tuple[int, int]]:
+    """Page-aligned (start, end) spans covering the non-empty ranges, merged."""
+    spans = sorted(
+        (pairs[i] & -_PAGE, pairs[i] + pairs[i + 1])
+        for i in range(0, len(pairs), 2)
+        if pairs[i + 1]
+    )
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        end = min(-(-end // _PAGE) * _PAGE, size)
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+class PoolMapping:
+    """A pool file mapped whole; use :meth:`open` to make one."""
+
+    path: str
+    size: int
+    requested: str
+    kind: str
+    is_pmem: bool
+    buf: memoryview
+
+    def __init__(
+        self, path: str, size: int, requested: str, kind: str, mm: mmap.mmap, readonly: bool
+    ) -> None:
+        self.path = path
+        self.size = size
+        self.requested = requested
+        self.kind = kind
+        self.is_pmem = kind in ("dax", "force")
+        self.readonly = readonly
+        self._mm = mm
+        self.buf = memoryview(mm)
+        # One cffi view of the whole mapping, made here: a from_buffer per call would
+        # cost more than the flushes it serves.
+        self._base = ffi.from_buffer(mm)
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str, mode: str = "auto", readonly: bool = False) -> Self:
+        if mode not in PMEM_MODES:
+            raise ValueError(f"pmem mode must be one of {PMEM_MODES}, not {mode!r}")
+        try:
+            fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        except OSError as exc:
+            raise PmemError(f"cannot open pool {path}: {exc.strerror}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise PmemError(f"pool {path} is empty: create it at its full size first")
+            mm, kind = _map(fd, size, path, mode, readonly)
+        finally:
+            # The mapping does not need the descriptor (mmap keeps a duplicate of its own).
+            os.close(fd)
+        if kind == "force":
+            log.warning(
+                "pool %s: pmem mode 'force' treats an ordinary mapping as persistent memory; "
+                "durability across power loss is only emulated",
+                path,
+            )
+        return cls(path, size, mode, kind, mm, readonly)
+
+    def _pairs(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        if self._closed:
+            raise ValueError(f"pool mapping of {self.path} is closed")
+        size = self.size
+        flat: list[int] = []
+        for off, length in ranges:
+            if off < 0 or length < 0 or off + length > size:
+                raise ValueError(f"range ({off}, {length}) is outside the pool of {size} bytes")
+            flat += (off, length)
+        return flat
+
+    def _persist_pairs(self, pairs: list[int]) -> None:
+        if self.is_pmem:
+            # cffi turns the list into a temporary uint64_t array for the one call.
+            lib.rpm_flush_ranges(self._base, pairs, len(pairs) >> 1)
+            lib.rpm_drain()
+        else:
+            for start, end in _page_spans(pairs, self.size):
+                self._mm.flush(start, end - start)
+
+    def persist(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Make the (offset, length) ranges durable; returns once they are."""
+        pairs = self._pairs(ranges)
+        if pairs:
+            self._persist_pairs(pairs)
+
+    def persist_ordered(
+        self, first: Iterable[tuple[int, int]], then: Iterable[tuple[int, int]]
+    ) -> None:
+        """Make ``first`` durable, then ``then``.
+
+        Only the write-backs issued here are ordered: a store already made to a
+        ``then`` range may reach the media early through cache eviction or kernel
+        writeback, so a record that must not be seen before ``first`` has to be either
+        stored after this returns or able to prove itself complete (a checksum).
+        """
+        # Both are checked before anything is flushed, so a bad range flushes nothing.
+        a = self._pairs(first)
+        b = self._pairs(then)
+        if a:
+            self._persist_pairs(a)
+        if b:
+            self._persist_pairs(b)
+
+    def write_nt(self, offset: int, data: BytesLike) -> None:
+        """Copy ``data`` to ``offset``; on pmem kinds it is durable on return."""
+        if self.readonly:
+            raise PmemError(f"pool {self.path} is mapped read-only")
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        self._pairs(((offset, n),))
+        if self.is_pmem:
+            lib.rpm_memcpy_nt(self._base + offset, ffi.from_buffer(data), n)
+        else:
+            self._mm[offset : offset + n] = data
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        ffi.release(self._base)
+        try:
+            self.buf.release()
+            self._mm.close()
+        except BufferError:
+            # A caller still holds a view into the pool: keep the mapping whole and
+            # usable rather than half closed.
+            self._base = ffi.from_buffer(self._mm)
+            self.buf = memoryview(self._mm)
+            raise
+        self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
