@@ -32,7 +32,8 @@ ffibuilder.set_source(
     '#include "rpmem_native.h"',
     sources=[_rel(_HERE / "rpmem_native.c")],
     include_dirs=[_rel(_HERE)],
-    # Listed so that sdists carry the header and edits to it trigger rebuilds.
-    depends=[_rel(_HERE / "rpmem_native.h")],
+    # Listed so that sdists carry them (setuptools >= 68, which pyproject.toml
+    # requires, packs an extension's depends) and editing them triggers a rebuild.
+    depends=[_rel(_HERE / "rpmem_native.h"), _rel(_HERE / "build.py")],
     extra_compile_args=["-O2"],
 )

@@ -35,6 +35,7 @@ class MountOptions:
     pmem: str = "auto"
     log_level: str = "warning"
     log_file: str | None = None
+    xattrs: bool = True
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     extra: list[str] = field(default_factory=list)
 
@@ -57,6 +58,8 @@ def parse_options(opts: list[str]) -> MountOptions:
                 mo.log_level = value
             elif key == "log":
                 mo.log_file = value
+            elif key == "noxattr":
+                mo.xattrs = False
             elif key == "allow_other":
                 mo.allow_other = True
             elif key in ("min_replicas", "replica_timeout"):
@@ -90,7 +93,7 @@ class Mounted:
             self.mapping.close()
             raise MountError(f"cannot mount {pool}: {e}") from None
         self.open_seconds = time.perf_counter() - t0
-        self.ops = Operations(self.fs, self.describe)
+        self.ops = Operations(self.fs, self.describe, xattrs=mo.xattrs)
 
     def describe(self) -> dict[str, Any]:
         fs = self.fs

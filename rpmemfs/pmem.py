@@ -59,9 +59,7 @@ def _map(fd: int, size: int, path: str, mode: str, readonly: bool) -> tuple[mmap
 def _page_spans(pairs: list[int], size: int) -> list[tuple[int, int]]:
     """Page-aligned (start, end) spans covering the non-empty ranges, merged."""
     spans = sorted(
-        (pairs[i] & -_PAGE, pairs[i] + pairs[i + 1])
-        for i in range(0, len(pairs), 2)
-        if pairs[i + 1]
+        (pairs[i] & -_PAGE, pairs[i] + pairs[i + 1]) for i in range(0, len(pairs), 2) if pairs[i + 1]
     )
     out: list[tuple[int, int]] = []
     for start, end in spans:
@@ -149,9 +147,7 @@ class PoolMapping:
         if pairs:
             self._persist_pairs(pairs)
 
-    def persist_ordered(
-        self, first: Iterable[tuple[int, int]], then: Iterable[tuple[int, int]]
-    ) -> None:
+    def persist_ordered(self, first: Iterable[tuple[int, int]], then: Iterable[tuple[int, int]]) -> None:
         """Make ``first`` durable, then ``then``.
 
         Only the write-backs issued here are ordered: a store already made to a

@@ -263,3 +263,18 @@ def test_flush_and_copy_stop_at_the_range_end() -> None:
         [sys.executable, "-c", _GUARD_CHILD, "overrun"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == -11, (bad.returncode, bad.stderr)
+
+
+def test_missing_helper_is_a_clear_error() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['rpmemfs._native'] = None  # what an install without the build looks like\n"
+        "try:\n"
+        "    import rpmemfs.native\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = _run_child(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "native helper is not built" in proc.stdout
+    assert "pip install ." in proc.stdout

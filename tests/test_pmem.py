@@ -54,9 +54,7 @@ def test_modes_constant() -> None:
     # Neither /tmp nor /dev/shm is DAX, so auto must fall back to msync.
     [("auto", "msync", False), ("force", "force", True), ("msync", "msync", False)],
 )
-def test_open_kinds_and_persist_visible_to_pread(
-    pool: Path, mode: str, kind: str, is_pmem: bool
-) -> None:
+def test_open_kinds_and_persist_visible_to_pread(pool: Path, mode: str, kind: str, is_pmem: bool) -> None:
     with PoolMapping.open(str(pool), mode) as pm:
         assert (pm.path, pm.size, pm.requested) == (str(pool), SIZE, mode)
         assert (pm.kind, pm.is_pmem) == (kind, is_pmem)
@@ -71,9 +69,7 @@ def test_open_kinds_and_persist_visible_to_pread(
             assert bytes(other.buf[100:105]) == b"hello"
 
 
-def test_force_mode_warns_that_durability_is_emulated(
-    pool: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_force_mode_warns_that_durability_is_emulated(pool: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="rpmemfs.pmem"):
         PoolMapping.open(str(pool), "force").close()
     warnings = [r for r in caplog.records if r.name == "rpmemfs.pmem"]
@@ -244,9 +240,7 @@ class _MapRecorder:
         return self.real(fd, size, flags=flags, **kw)
 
 
-def test_auto_uses_map_sync_when_the_kernel_accepts_it(
-    pool: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_auto_uses_map_sync_when_the_kernel_accepts_it(pool: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rec = _MapRecorder(mmap.mmap, None)
     monkeypatch.setattr(mmap, "mmap", rec)
     with PoolMapping.open(str(pool), "auto") as pm:

@@ -21,6 +21,7 @@ class Options:
     pool_size: str
     # None: the slow mount-time measurement is not run.
     mount_files: int | None
+    rounds: int
     timeout: float
     keep: bool
 
@@ -46,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mount-files", type=int, metavar="N",
                    help=f"also run {MOUNT100K} with N files (default N: {DEFAULT_MOUNT_FILES:,}, "
                         f"{DEFAULT_MOUNT_FILES // 10:,} with --quick)")
+    p.add_argument("--rounds", type=int, metavar="N",
+                   help="repeat every workload N times, interleaved over the targets, and "
+                        "report the median (default: 3, 1 with --quick)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up on a target after one workload ran this long (default: 300)")
     p.add_argument("--keep", action="store_true",
@@ -74,6 +78,10 @@ def parse(argv: list[str]) -> Options:
         if mount_files < 1:
             parser.error("--mount-files must be at least 1")
 
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
+
     if not args.dir.is_dir():
         parser.error(f"--dir {args.dir}: not a directory")
 
@@ -84,6 +92,7 @@ def parse(argv: list[str]) -> Options:
         workloads=tuple(dict.fromkeys(selected)),
         pool_size=args.pool_size,
         mount_files=mount_files,
+        rounds=rounds,
         timeout=args.timeout,
         keep=args.keep,
     )

@@ -73,9 +73,11 @@ def _scale_line(run: RunResult) -> str:
     scale = run.config["scale"]
     assert isinstance(scale, dict)
     kind = "quick run" if run.config["quick"] else "full run"
+    rounds = run.config["rounds"]
     return (f"{kind}: {scale['ops']} ops after {scale['warmup']} warm-up, "
             f"{scale['seq_bytes'] // 2**20} MiB sequential, {scale['small_files']} small files; "
-            f"pool {run.config['pool_size']}")
+            f"median of {rounds} round{'s' if rounds != 1 else ''}; "
+            f"rpmemfs pool {run.config['pool_size']}")
 
 
 def render(run: RunResult) -> str:
@@ -103,7 +105,8 @@ def render(run: RunResult) -> str:
         return "  ".join(out).rstrip()
 
     lines = [one_line(run.machine),
-             f"work dir: {run.workdir} ({run.workdir_fs}); {_scale_line(run)}",
+             f"work dir: {run.workdir} ({run.workdir_fs})",
+             _scale_line(run),
              "",
              line(header),
              line(["-" * w for w in widths]),

@@ -14,7 +14,7 @@ from rpmemfs.bench.mounts import MountError, detach_all_under, mounts_under
 from rpmemfs.bench.options import MOUNT100K, Options
 from rpmemfs.bench.progress import note
 from rpmemfs.bench.results import Outcome, RunResult, TargetStatus
-from rpmemfs.bench.stats import WorkloadResult
+from rpmemfs.bench.stats import WorkloadResult, combine_rounds
 from rpmemfs.bench.targets import TARGET_NAMES, TARGETS
 from rpmemfs.bench.workloads import WORKLOADS, Scale, Workload
 
@@ -28,6 +28,7 @@ def run(opts: Options) -> RunResult:
             "quick": opts.quick,
             "pool_size": opts.pool_size,
             "mount_files": opts.mount_files,
+            "rounds": opts.rounds,
             "scale": vars(scale).copy(),
         },
         workdir=str(workdir),
@@ -63,23 +64,48 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
             else:
                 result.targets[name] = TargetStatus(True)
 
-        # Workload by workload rather than target by target, so slow drift of a
-        # noisy machine spreads over all targets instead of favouring one.
-        for wname in opts.workloads:
-            workload = WORKLOADS[wname]
-            result.summaries[wname] = workload.summary
-            row = result.outcomes.setdefault(wname, {})
-            for tname in TARGET_NAMES:
-                status = result.targets[tname]
-                if status.available:
-                    row[tname] = _measure(workload, tname, dirs[tname], scale, opts.timeout,
-                                          status)
+        measured: dict[tuple[str, str], list[WorkloadResult]] = {}
+        errors: dict[tuple[str, str], str] = {}
+        for round_no in range(opts.rounds):
+            # Workload by workload rather than target by target, and a different target
+            # first in every round, so drifting background load on a shared machine
+            # spreads over all targets instead of favouring one.
+            shift = round_no % len(TARGET_NAMES)
+            order = TARGET_NAMES[shift:] + TARGET_NAMES[:shift]
+            for wname in opts.workloads:
+                for tname in order:
+                    status = result.targets[tname]
+                    if not status.available or (wname, tname) in errors:
+                        continue
+                    label = f"round {round_no + 1}/{opts.rounds}: {wname} on {tname}"
+                    try:
+                        got = _measure(WORKLOADS[wname], dirs[tname], scale, opts.timeout, label)
+                    except Timeout as exc:
+                        status.available = False
+                        status.error = f"{wname} hung ({exc}); later workloads skipped"
+                        errors[(wname, tname)] = str(exc)
+                        note(f"{label}: {status.error}")
+                    except ChildFailed as exc:
+                        errors[(wname, tname)] = str(exc).splitlines()[0]
+                        note(f"{label} failed: {exc}")
+                    else:
+                        measured.setdefault((wname, tname), []).append(got)
         note("stopping filesystems")
 
+    for wname in opts.workloads:
+        result.summaries[wname] = WORKLOADS[wname].summary
+        row = result.outcomes.setdefault(wname, {})
+        for tname in TARGET_NAMES:
+            rounds = measured.get((wname, tname))
+            error = errors.get((wname, tname))
+            if rounds or error:
+                row[tname] = Outcome(result=combine_rounds(rounds) if rounds else None,
+                                     error=error)
 
-def _measure(workload: Workload, target: str, directory: Path, scale: Scale, timeout: float,
-             status: TargetStatus) -> Outcome:
-    note(f"{workload.name} on {target} ...")
+
+def _measure(workload: Workload, directory: Path, scale: Scale, timeout: float,
+             label: str) -> WorkloadResult:
+    note(f"{label} ...")
 
     def job() -> WorkloadResult:
         scratch = directory / workload.name
@@ -89,19 +115,10 @@ def _measure(workload: Workload, target: str, directory: Path, scale: Scale, tim
         shutil.rmtree(scratch)
         return measured
 
-    try:
-        measured = run_isolated(job, timeout)
-    except Timeout as exc:
-        status.available = False
-        status.error = f"{workload.name} hung ({exc}); later workloads skipped"
-        note(f"{workload.name} on {target}: {status.error}")
-        return Outcome(error=str(exc))
-    except ChildFailed as exc:
-        note(f"{workload.name} on {target} failed: {exc}")
-        return Outcome(error=str(exc).splitlines()[0])
+    measured = run_isolated(job, timeout)
     shown = ", ".join(f"{m.name} {m.value:,.1f} {m.unit}" for m in measured.metrics)
-    note(f"{workload.name} on {target}: {shown}")
-    return Outcome(result=measured)
+    note(f"{label}: {shown}")
+    return measured
 
 
 def _mount_time(opts: Options, workdir: Path) -> Outcome:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,3 +50,29 @@ def latency_result(samples_ns: list[int]) -> WorkloadResult:
             "max_us": ordered[-1] * to_us,
         },
     )
+
+
+def combine_rounds(rounds: list[WorkloadResult]) -> WorkloadResult:
+    """The median of each number over repeated rounds.
+
+    On a shared machine a burst of background load can spoil one round; the median
+    keeps that round from deciding the result, where a mean or pooled samples would not.
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    first = rounds[0]
+    metrics = [
+        Metric(m.name, statistics.median(_metric_value(r, m.name) for r in rounds), m.unit,
+               m.better)
+        for m in first.metrics
+    ]
+    details = {key: statistics.median(r.details[key] for r in rounds) for key in first.details}
+    details["rounds"] = float(len(rounds))
+    for m in first.metrics:
+        for i, r in enumerate(rounds):
+            details[f"{m.name}_round{i + 1}"] = _metric_value(r, m.name)
+    return WorkloadResult(metrics=metrics, details=details)
+
+
+def _metric_value(result: WorkloadResult, name: str) -> float:
+    return next(m.value for m in result.metrics if m.name == name)

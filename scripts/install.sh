@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what rpmemfs needs on a Debian machine: system packages, a virtual environment in
+# .venv, and the package itself (its native helper is compiled here, by cffi).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing system packages: ${missing[*]}" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+.venv/bin/python -m pip install -q -e ".${extras}"
+.venv/bin/python -c "import rpmemfs.native as n; print('rpmemfs installed; cache flush:', n.flush_kind(), '; crc32c in hardware:', n.crc32c_hw())"
