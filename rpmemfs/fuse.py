@@ -12,6 +12,7 @@ import errno
 import functools
 import json
 import logging
+import os
 import stat
 import time
 from collections import deque
@@ -193,8 +194,12 @@ class Operations(pyfuse3.Operations):
         node = self.fs.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if flags & os.O_TRUNC and node.size:
+            # libfuse negotiates atomic O_TRUNC: the kernel sends no separate setattr.
+            await self._retry(lambda: self.fs.setattr(inode, size=0))
         self.fs.opened(inode)
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+        # keep_cache only while nothing truncated the file behind the kernel's page cache
+        return pyfuse3.FileInfo(fh=inode, keep_cache=not flags & os.O_TRUNC)
 
     @errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

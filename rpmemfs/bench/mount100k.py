@@ -17,6 +17,7 @@ from rpmemfs.bench.mounts import (
     MountError,
     child_env,
     lazy_unmount,
+    log_tail,
     wait_until_unmounted,
 )
 from rpmemfs.bench.progress import note
@@ -97,8 +98,12 @@ def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
     mountpoint = workdir / "mnt-mount100k"
     note(f"mount100k: mkfs {pool} --size {pool_size}")
     mkfs(pool, pool_size)
-    with rpmemfs_daemon(pool, mountpoint, workdir / "mount100k-fill.log"):
-        create_seconds = _fill(mountpoint, n_files, 60.0 + n_files * FILL_SECONDS_PER_FILE)
+    fill_log = workdir / "mount100k-fill.log"
+    with rpmemfs_daemon(pool, mountpoint, fill_log):
+        try:
+            create_seconds = _fill(mountpoint, n_files, 60.0 + n_files * FILL_SECONDS_PER_FILE)
+        except (OSError, Timeout) as exc:
+            raise MountError(f"creating the files failed: {exc}" + log_tail(fill_log)) from None
     note(f"mount100k: {n_files:,} files in {create_seconds:.1f} s; unmounted, now timing mount")
 
     probe = mountpoint / _dir_name(0) / _file_name(0)
@@ -121,7 +126,10 @@ def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
         if status != 0:
             output = log.read_text(errors="replace").strip()
             raise MountError(f"rpmemfs mount exited with status {status}:\n  {output}")
-        _wait_for_stat(probe, returned + timeout)
+        try:
+            _wait_for_stat(probe, returned + timeout)
+        except OSError as exc:
+            raise MountError(f"mounted, but stat failed: {exc}" + log_tail(log)) from None
         answered = time.perf_counter()
     finally:
         _unmount_background(mountpoint)

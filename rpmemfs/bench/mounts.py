@@ -60,14 +60,15 @@ def wait_until_mounted(path: Path, proc: subprocess.Popen[bytes] | None, timeout
         if proc is not None and proc.poll() is not None:
             raise MountError(
                 f"{what} exited with status {proc.returncode} before {path} was mounted"
-                + _stderr_tail(stderr_file)
+                + log_tail(stderr_file)
             )
         time.sleep(0.02)
     raise MountError(f"{what}: {path} not mounted after {timeout:.0f} s"
-                     + _stderr_tail(stderr_file))
+                     + log_tail(stderr_file))
 
 
-def _stderr_tail(stderr_file: Path | None, limit: int = 4000) -> str:
+def log_tail(stderr_file: Path | None, limit: int = 4000) -> str:
+    """The end of a daemon's output, formatted to be appended to an error message."""
     if stderr_file is None:
         return ""
     try:
@@ -75,10 +76,10 @@ def _stderr_tail(stderr_file: Path | None, limit: int = 4000) -> str:
     except OSError:
         return ""
     if not text:
-        return "\n  (no output on stderr)"
+        return "\n  (the daemon printed nothing)"
     if len(text) > limit:
         text = "..." + text[-limit:]
-    return "\n  daemon stderr:\n    " + text.replace("\n", "\n    ")
+    return "\n  daemon output:\n    " + text.replace("\n", "\n    ")
 
 
 def mounts_under(directory: Path) -> list[Path]:

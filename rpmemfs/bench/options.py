@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MOUNT_FILES // 10:,} with --quick)")
     p.add_argument("--rounds", type=int, metavar="N",
                    help="repeat every workload N times, interleaved over the targets, and "
-                        "report the median (default: 3, 1 with --quick)")
+                        "report the median (default: 5, 1 with --quick)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up on a target after one workload ran this long (default: 300)")
     p.add_argument("--keep", action="store_true",
@@ -78,7 +78,7 @@ def parse(argv: list[str]) -> Options:
         if mount_files < 1:
             parser.error("--mount-files must be at least 1")
 
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     if rounds < 1:
         parser.error("--rounds must be at least 1")
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from rpmemfs.bench.isolate import ChildFailed, Timeout, run_isolated
 from rpmemfs.bench.machine import describe, fs_type
 from rpmemfs.bench.mount100k import measure_mount_time
-from rpmemfs.bench.mounts import MountError, detach_all_under, mounts_under
+from rpmemfs.bench.mounts import MountError, detach_all_under, log_tail, mounts_under
 from rpmemfs.bench.options import MOUNT100K, Options
 from rpmemfs.bench.progress import note
 from rpmemfs.bench.results import Outcome, RunResult, TargetStatus
 from rpmemfs.bench.stats import WorkloadResult, combine_rounds
-from rpmemfs.bench.targets import TARGET_NAMES, TARGETS
+from rpmemfs.bench.targets import TARGET_NAMES, TARGETS, Target
 from rpmemfs.bench.workloads import WORKLOADS, Scale, Workload
 
 
@@ -53,7 +53,7 @@ def run(opts: Options) -> RunResult:
 
 def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult) -> None:
     with ExitStack() as stack:
-        dirs: dict[str, Path] = {}
+        dirs: dict[str, Target] = {}
         for name in TARGET_NAMES:
             note(f"bringing up {name}")
             try:
@@ -78,16 +78,19 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
                     if not status.available or (wname, tname) in errors:
                         continue
                     label = f"round {round_no + 1}/{opts.rounds}: {wname} on {tname}"
+                    target = dirs[tname]
                     try:
-                        got = _measure(WORKLOADS[wname], dirs[tname], scale, opts.timeout, label)
+                        got = _measure(WORKLOADS[wname], target.path, scale, opts.timeout, label)
                     except Timeout as exc:
                         status.available = False
-                        status.error = f"{wname} hung ({exc}); later workloads skipped"
+                        status.error = (f"{wname} hung ({exc}); later workloads skipped"
+                                        + log_tail(target.log))
                         errors[(wname, tname)] = str(exc)
                         note(f"{label}: {status.error}")
                     except ChildFailed as exc:
-                        errors[(wname, tname)] = str(exc).splitlines()[0]
-                        note(f"{label} failed: {exc}")
+                        errors[(wname, tname)] = (str(exc).splitlines()[0]
+                                                  + log_tail(target.log))
+                        note(f"{label} failed: {exc}{log_tail(target.log)}")
                     else:
                         measured.setdefault((wname, tname), []).append(got)
         note("stopping filesystems")

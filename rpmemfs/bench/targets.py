@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from rpmemfs.bench.mounts import (
@@ -23,7 +24,16 @@ from rpmemfs.bench.mounts import (
 TARGET_NAMES = ("rpmemfs", "passthrough", "plain")
 MOUNT_TIMEOUT = 60.0
 
-TargetFactory = Callable[[Path, str], AbstractContextManager[Path]]
+
+
+@dataclass(frozen=True)
+class Target:
+    path: Path
+    # The daemon's stdout+stderr, quoted when something fails on this target.
+    log: Path | None = None
+
+
+TargetFactory = Callable[[Path, str], AbstractContextManager[Target]]
 
 
 def rpmemfs_command(*args: str) -> list[str]:
@@ -61,29 +71,31 @@ def rpmemfs_daemon(pool: Path, mountpoint: Path, log: Path) -> Iterator[Path]:
 
 
 @contextmanager
-def rpmemfs_target(workdir: Path, pool_size: str) -> Iterator[Path]:
+def rpmemfs_target(workdir: Path, pool_size: str) -> Iterator[Target]:
     pool = workdir / "rpmemfs.pool"
+    log = workdir / "rpmemfs.log"
     mkfs(pool, pool_size)
-    with rpmemfs_daemon(pool, workdir / "mnt-rpmemfs", workdir / "rpmemfs.log") as mnt:
-        yield mnt
+    with rpmemfs_daemon(pool, workdir / "mnt-rpmemfs", log) as mnt:
+        yield Target(mnt, log)
 
 
 @contextmanager
-def passthrough_target(workdir: Path, pool_size: str) -> Iterator[Path]:
+def passthrough_target(workdir: Path, pool_size: str) -> Iterator[Target]:
     # A sibling of the pool file, so both sit on the same backing filesystem.
     source = workdir / "passthrough-src"
     source.mkdir()
-    argv = python_module("rpmemfs.bench.passthrough", str(source), str(workdir / "mnt-passthrough"))
-    with _daemon(argv, workdir / "mnt-passthrough", workdir / "passthrough.log",
-                 "passthrough") as mnt:
-        yield mnt
+    mountpoint = workdir / "mnt-passthrough"
+    log = workdir / "passthrough.log"
+    argv = python_module("rpmemfs.bench.passthrough", str(source), str(mountpoint))
+    with _daemon(argv, mountpoint, log, "passthrough") as mnt:
+        yield Target(mnt, log)
 
 
 @contextmanager
-def plain_target(workdir: Path, pool_size: str) -> Iterator[Path]:
+def plain_target(workdir: Path, pool_size: str) -> Iterator[Target]:
     directory = workdir / "plain"
     directory.mkdir()
-    yield directory
+    yield Target(directory)
 
 
 TARGETS: dict[str, TargetFactory] = {

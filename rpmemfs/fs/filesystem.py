@@ -508,7 +508,7 @@ class Filesystem:
                 raise FsError(errno.EINVAL)
             self.truncate(node, size)
         if mode is not None:
-            node.mode = (node.mode & stat.S_IFMT) | (mode & 0o7777)
+            node.mode = stat.S_IFMT(node.mode) | (mode & 0o7777)
         if uid is not None:
             node.uid = uid
         if gid is not None:

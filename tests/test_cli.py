@@ -1,0 +1,333 @@
+"""The `rpmemfs` command line: mkfs, mount, status, check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from helpers import (
+    CLI,
+    REPO,
+    MiB,
+    assert_check_clean,
+    assert_clean_error,
+    check_json,
+    cli,
+    describe,
+    fsync_path,
+    fusermount_detach,
+    is_mounted,
+    wait_until,
+)
+
+if TYPE_CHECKING:
+    from conftest import MakePool, MountPool
+
+
+def digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- mkfs
+
+
+def test_mkfs_creates_a_clean_pool(work_dir: Path) -> None:
+    pool = work_dir / "p.img"
+    res = cli("mkfs", pool, "--size", "64M")
+    assert res.returncode == 0, describe(res)
+    assert pool.stat().st_size == 64 * MiB
+    report = assert_check_clean(pool)
+    assert report["pool"] in (str(pool), os.path.abspath(pool))
+    data = report["layout"]["data"]
+    assert data["block_size"] == 4096
+    assert data["blocks"] * 4096 <= 64 * MiB
+    assert data["blocks"] * 4096 >= 48 * MiB
+
+
+@pytest.mark.parametrize("size,nbytes", [("4M", 4 * MiB), ("8m", 8 * MiB), ("1G", 1 << 30)])
+def test_mkfs_sizes(work_dir: Path, size: str, nbytes: int) -> None:
+    pool = work_dir / "p.img"
+    res = cli("mkfs", pool, "--size", size)
+    assert res.returncode == 0, describe(res)
+    assert pool.stat().st_size == nbytes
+    assert_check_clean(pool)
+
+
+def test_mkfs_refuses_existing_file(work_dir: Path) -> None:
+    pool = work_dir / "p.img"
+    pool.write_bytes(b"precious data")
+    res = cli("mkfs", pool, "--size", "16M")
+    assert_clean_error(res, r"exist|force", one_line=True)
+    assert pool.read_bytes() == b"precious data"
+    # an existing pool is not overwritten either
+    pool2 = work_dir / "p2.img"
+    assert cli("mkfs", pool2, "--size", "8M").returncode == 0
+    before = digest(pool2)
+    assert_clean_error(cli("mkfs", pool2, "--size", "16M"), r"exist|force", one_line=True)
+    assert digest(pool2) == before
+
+
+def test_mkfs_force_overwrites(work_dir: Path, mount_pool: MountPool) -> None:
+    pool = work_dir / "p.img"
+    pool.write_bytes(b"junk" * 1000)
+    res = cli("mkfs", pool, "--size", "16M", "--force")
+    assert res.returncode == 0, describe(res)
+    assert pool.stat().st_size == 16 * MiB
+    assert_check_clean(pool)
+    m = mount_pool(pool)
+    (m.path / "f").write_bytes(b"data")
+    m.unmount()
+    # --force over a used pool gives an empty filesystem
+    res = cli("mkfs", pool, "--size", "8M", "--force")
+    assert res.returncode == 0, describe(res)
+    assert pool.stat().st_size == 8 * MiB
+    m.start()
+    assert os.listdir(m.path) == []
+
+
+def test_mkfs_refuses_too_small(work_dir: Path) -> None:
+    pool = work_dir / "p.img"
+    for size in ("1M", "4095K", "100"):
+        res = cli("mkfs", pool, "--size", size)
+        assert_clean_error(res, r"minimum|small|at least|4M|4 ?MiB", one_line=True)
+        assert not pool.exists(), f"mkfs --size {size} left a file behind"
+
+
+@pytest.mark.parametrize("size", ["abc", "12Q", "-5M", "", "M", "1.2.3G"])
+def test_mkfs_refuses_bad_size(work_dir: Path, size: str) -> None:
+    pool = work_dir / "p.img"
+    res = cli("mkfs", pool, "--size", size)
+    assert res.returncode != 0, describe(res)
+    assert "Traceback" not in res.stderr, describe(res)
+    assert res.stderr.strip(), describe(res)
+    assert not pool.exists()
+
+
+def test_mkfs_checks_free_space(work_dir: Path) -> None:
+    pool = work_dir / "huge.img"
+    res = cli("mkfs", pool, "--size", "100T")
+    assert_clean_error(res, r"space|free|available", one_line=True)
+    assert not pool.exists(), "mkfs left a file behind after refusing"
+
+
+def test_mkfs_missing_directory(work_dir: Path) -> None:
+    res = cli("mkfs", work_dir / "no" / "such" / "dir" / "p.img", "--size", "8M")
+    assert_clean_error(res, one_line=True)
+
+
+# ---------------------------------------------------------------------------- check
+
+
+def test_check_clean_pool(make_pool: MakePool, mount_pool: MountPool) -> None:
+    pool = make_pool("16M")
+    res = cli("check", pool)
+    assert res.returncode == 0, describe(res)
+    assert "Traceback" not in res.stderr
+    m = mount_pool(pool)
+    for i in range(20):
+        (m.path / f"f{i}").write_bytes(os.urandom(10_000))
+    os.mkdir(m.path / "d")
+    os.symlink("f1", m.path / "d" / "l")
+    m.unmount()
+    rc, report = check_json(pool)
+    assert rc == 0, report
+    assert report["clean"] is True and report["problems"] == []
+    assert isinstance(report.get("stats"), dict)
+    areas = report["layout"]["log_areas"]
+    assert len(areas) >= 2 and sum(a["active"] for a in areas) == 1
+    for a in areas:
+        assert {"offset", "size", "gen", "active"} <= set(a)
+
+
+def test_check_missing_pool(work_dir: Path) -> None:
+    assert_clean_error(cli("check", work_dir / "nope.img"))
+
+
+# ---------------------------------------------------------------------------- mount
+
+
+def test_mount_missing_pool(work_dir: Path) -> None:
+    mnt = work_dir / "mnt"
+    mnt.mkdir()
+    res = cli("mount", work_dir / "nope.img", mnt, "-f", "-o", "pmem=force", timeout=60)
+    assert_clean_error(res, r"nope\.img|exist|no such")
+    assert not is_mounted(mnt)
+
+
+def test_mount_missing_mountpoint(make_pool: MakePool, work_dir: Path) -> None:
+    pool = make_pool("8M")
+    res = cli("mount", pool, work_dir / "no-mnt", "-f", "-o", "pmem=force", timeout=60)
+    assert_clean_error(res, r"no-mnt|mount ?point|exist|director")
+    assert_check_clean(pool)
+
+
+def test_mount_bad_option(make_pool: MakePool, work_dir: Path) -> None:
+    pool = make_pool("8M")
+    mnt = work_dir / "mnt"
+    mnt.mkdir()
+    res = cli("mount", pool, mnt, "-f", "-o", "pmem=bogus", timeout=60)
+    assert_clean_error(res, r"pmem")
+    assert not is_mounted(mnt)
+
+
+def test_mount_twice_refused(make_pool: MakePool, mount_pool: MountPool, work_dir: Path) -> None:
+    pool = make_pool("8M")
+    m = mount_pool(pool)
+    other = work_dir / "other"
+    other.mkdir()
+    # the same mountpoint again
+    res = cli("mount", make_pool("8M"), m.path, "-f", "-o", "pmem=force", timeout=60)
+    assert_clean_error(res)
+    (m.path / "still-works").write_bytes(b"yes")
+    assert (m.path / "still-works").read_bytes() == b"yes"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_foreground_signal_unmounts_cleanly(
+    make_pool: MakePool, mount_pool: MountPool, sig: signal.Signals
+) -> None:
+    m = mount_pool(make_pool("16M"))
+    (m.path / "f").write_bytes(b"before signal")
+    m.unmount(sig)  # asserts exit 0, no mount left, no traceback
+    assert not is_mounted(m.path)
+    assert os.listdir(m.path) == []
+    assert_check_clean(m.pool)
+    m.start()
+    assert (m.path / "f").read_bytes() == b"before signal"
+
+
+def test_background_mount(make_pool: MakePool, work_dir: Path) -> None:
+    """Without -f the command returns 0 once mounted and the daemon keeps serving."""
+    pool = make_pool("16M")
+    mnt = work_dir / "bg"
+    mnt.mkdir()
+    out = work_dir / "bg-mount.out"
+    try:
+        with open(out, "wb") as f:
+            proc = subprocess.Popen(
+                [*CLI, "mount", str(pool), str(mnt), "-o", "pmem=force"],
+                cwd=REPO, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+            )
+            rc = proc.wait(timeout=60)
+        text = out.read_text(errors="replace")
+        assert rc == 0, text
+        assert "Traceback" not in text
+        assert is_mounted(mnt) and os.path.ismount(mnt), "not mounted when mount returned"
+        (mnt / "bg-file").write_bytes(b"served by the daemon")
+        fsync_path(mnt / "bg-file")
+        assert (mnt / "bg-file").read_bytes() == b"served by the daemon"
+        st = cli("status", mnt, "--json")
+        assert st.returncode == 0, describe(st)
+        pid = json.loads(st.stdout).get("pid")
+        res = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, text=True,
+                             timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert wait_until(lambda: not is_mounted(mnt))
+        if isinstance(pid, int):
+            assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 30), (
+                "daemon still running after its filesystem was unmounted"
+            )
+        assert wait_until(lambda: cli("check", pool).returncode == 0, 30), describe(
+            cli("check", pool))
+    finally:
+        if is_mounted(mnt):
+            fusermount_detach(mnt)
+    # the file is there when mounted again (foreground this time)
+    proc = subprocess.Popen([*CLI, "mount", str(pool), str(mnt), "-f", "-o", "pmem=force"],
+                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: is_mounted(mnt) and os.path.ismount(mnt), 30)
+        assert (mnt / "bg-file").read_bytes() == b"served by the daemon"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert not is_mounted(mnt)
+
+
+def test_background_mount_failure_reports(work_dir: Path) -> None:
+    mnt = work_dir / "bg"
+    mnt.mkdir()
+    junk = work_dir / "junk.img"
+    junk.write_bytes(b"\0" * (8 * MiB))
+    out = work_dir / "bg.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([*CLI, "mount", str(junk), str(mnt), "-o", "pmem=force"],
+                                cwd=REPO, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+        rc = proc.wait(timeout=60)
+    text = out.read_text(errors="replace")
+    assert rc != 0, text
+    assert "Traceback" not in text, text
+    assert any(ln.startswith("rpmemfs:") for ln in text.splitlines()), text
+    assert not is_mounted(mnt)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def status(mnt: Path) -> dict[str, object]:
+    res = cli("status", mnt, "--json")
+    assert res.returncode == 0, describe(res)
+    assert "Traceback" not in res.stderr
+    st = json.loads(res.stdout)
+    assert isinstance(st, dict)
+    return st
+
+
+def test_status_json(make_pool: MakePool, mount_pool: MountPool) -> None:
+    pool = make_pool("32M")
+    m = mount_pool(pool)
+    st = status(m.path)
+    for key in ("pool", "size", "used", "pmem_mode", "fsync_count", "fsync_latency_us"):
+        assert key in st, f"status lacks {key}: {st}"
+    assert st["pool"] in (str(pool), os.path.realpath(pool))
+    assert st["size"] == 32 * MiB
+    assert st["pmem_mode"] == "force"
+    assert isinstance(st["used"], int) and 0 <= st["used"] <= st["size"]
+    lat = st["fsync_latency_us"]
+    assert isinstance(lat, dict) and {"p50", "p99"} <= set(lat)
+    count0 = st["fsync_count"]
+    assert isinstance(count0, int)
+    used0 = st["used"]
+
+    fd = os.open(m.path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for i in range(25):
+            os.write(fd, os.urandom(64 * 1024))
+            if i % 2:
+                os.fsync(fd)
+            else:
+                os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    st2 = status(m.path)
+    assert isinstance(st2["fsync_count"], int) and st2["fsync_count"] >= count0 + 25
+    assert isinstance(st2["used"], int) and st2["used"] >= used0 + 25 * 64 * 1024
+    lat2 = st2["fsync_latency_us"]
+    assert isinstance(lat2, dict)
+    assert 0 <= lat2["p50"] <= lat2["p99"]
+    assert lat2["p99"] > 0
+
+    text = cli("status", m.path)
+    assert text.returncode == 0, describe(text)
+    assert str(pool) in text.stdout or os.path.realpath(pool) in text.stdout
+
+
+def test_status_msync_mode(make_pool: MakePool, mount_pool: MountPool) -> None:
+    m = mount_pool(make_pool("16M"), options="pmem=msync")
+    assert status(m.path)["pmem_mode"] == "msync"
+    (m.path / "f").write_bytes(b"msync mode data")
+    fsync_path(m.path / "f")
+    m.remount()
+    assert (m.path / "f").read_bytes() == b"msync mode data"
+
+
+def test_status_not_a_mount(work_dir: Path) -> None:
+    res = cli("status", work_dir)
+    assert_clean_error(res)
