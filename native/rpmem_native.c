@@ -105,6 +105,18 @@ void rpm_flush_ranges(const char *base, const uint64_t *pairs, size_t npairs)
         flusher(base + pairs[2 * i], (size_t)pairs[2 * i + 1]);
 }
 
+void rpm_persist_then_store(char *base, const uint64_t *pairs, size_t npairs,
+                            uint64_t rec_off, const void *rec, size_t len)
+{
+    rpm_flush_ranges(base, pairs, npairs);
+    rpm_drain();
+    if (len) {
+        memcpy(base + rec_off, rec, len);
+        flusher(base + rec_off, len);
+        rpm_drain();
+    }
+}
+
 void rpm_memcpy_nt(void *dst, const void *src, size_t len)
 {
     char *d = dst;

@@ -24,6 +24,12 @@ void rpm_drain(void);
 /* pairs holds npairs (offset, length) pairs relative to base. No fence. */
 void rpm_flush_ranges(const char *base, const uint64_t *pairs, size_t npairs);
 
+/* A commit: write back the npairs data ranges, fence, then store len bytes of
+ * rec at base + rec_off, write them back and fence. The record can reach the
+ * media only after the data it describes, whatever the cache evicts when. */
+void rpm_persist_then_store(char *base, const uint64_t *pairs, size_t npairs,
+                            uint64_t rec_off, const void *rec, size_t len);
+
 /* Copy with non-temporal stores; dst is in the persistence domain on return. */
 void rpm_memcpy_nt(void *dst, const void *src, size_t len);
 

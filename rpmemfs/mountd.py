@@ -89,6 +89,8 @@ class Mounted:
             raise MountError(str(e)) from None
         try:
             self.fs = Filesystem.open(self.mapping.buf, self.mapping)
+            if self.mapping.is_pmem:
+                self.fs.copy_nt = self.mapping.write_nt
         except PoolFormatError as e:
             self.mapping.close()
             raise MountError(f"cannot mount {pool}: {e}") from None

@@ -163,6 +163,30 @@ class PoolMapping:
         if b:
             self._persist_pairs(b)
 
+    def persist_then_store(
+        self, first: Iterable[tuple[int, int]], offset: int, data: BytesLike
+    ) -> None:
+        """Make ``first`` durable, then store ``data`` at ``offset`` and make it durable.
+
+        The stored bytes cannot reach the media before ``first`` does, because they are
+        stored only after ``first`` is fenced: the way to commit a log record.
+        """
+        pairs = self._pairs(first)
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        self._pairs(((offset, n),))
+        if self.readonly:
+            raise PmemError(f"pool {self.path} is mapped read-only")
+        if self.is_pmem:
+            lib.rpm_persist_then_store(
+                self._base, pairs, len(pairs) >> 1, offset, ffi.from_buffer(data), n
+            )
+            return
+        if pairs:
+            self._persist_pairs(pairs)
+        if n:
+            self._mm[offset : offset + n] = data
+            self._persist_pairs([offset, n])
+
     def write_nt(self, offset: int, data: BytesLike) -> None:
         """Copy ``data`` to ``offset``; on pmem kinds it is durable on return."""
         if self.readonly:

@@ -22,6 +22,17 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+system=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="[test]" ;;
+    --system) system=1 ;;
+  esac
+done
 .venv/bin/python -m pip install -q -e ".${extras}"
+if [ "$system" = 1 ]; then
+  # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work.
+  ln -sf "$PWD/.venv/bin/rpmemfs" /usr/local/bin/rpmemfs
+  install -m 755 mount/mount.rpmemfs /sbin/mount.fuse.rpmemfs
+fi
 .venv/bin/python -c "import rpmemfs.native as n; print('rpmemfs installed; cache flush:', n.flush_kind(), '; crc32c in hardware:', n.crc32c_hw())"

@@ -97,8 +97,9 @@ def active_area(lay: dict[str, Any]) -> dict[str, Any]:
 def build_pool(make_pool: MakePool, mount_pool: MountPool, n_ops: int = 6) -> tuple[
     Mount, list[dict[str, Any]]
 ]:
-    """A pool with a few fsynced operations, cleanly unmounted. Returns the Mount (stopped)
-    and the tree snapshots after each operation (index 0 = empty filesystem)."""
+    """A pool with a few fsynced operations (N_OPS file creations, then an append to file0),
+    cleanly unmounted. Returns the Mount (stopped) and the tree snapshots after each
+    operation (index 0 = empty filesystem, -1 = after the append)."""
     m = mount_pool(make_pool("16M"))
     snaps = [snapshot(m.path)]
     for i in range(n_ops):
@@ -109,6 +110,12 @@ def build_pool(make_pool: MakePool, mount_pool: MountPool, n_ops: int = 6) -> tu
         os.close(fd)
         fsync_path(m.path)
         snaps.append(snapshot(m.path))
+    # The last operation changes one existing file and is fsynced: it is the last record.
+    with open(m.path / "file0", "ab") as f:
+        f.write(b"LAST APPEND\n")
+        f.flush()
+        os.fsync(f.fileno())
+    snaps.append(snapshot(m.path))
     m.unmount()
     return m, snaps
 
@@ -274,9 +281,11 @@ def test_flipped_byte_in_last_record_is_a_torn_write(
     assert last["seq"] not in listed, f"damaged record still listed as valid: {listed}"
     m.start()
     got = snapshot(m.path)
-    # the last record's change is gone: the tree is what it was before the last operation
+    # the last record's change (the fsynced append to file0) is gone: the tree is what it
+    # was before the last operation
     assert got != snaps[-1], "the damaged last record was replayed"
     assert got == snaps[-2], diff_snapshots(snaps[-2], got)
+    assert not (m.path / "file0").read_bytes().endswith(b"LAST APPEND\n")
     (m.path / "new-after-torn").write_bytes(b"ok")
     fsync_path(m.path / "new-after-torn")
     fsync_path(m.path)

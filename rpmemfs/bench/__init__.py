@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so `python -m rpmemfs.bench.passthrough` stays light.
     from rpmemfs.bench import options, report, runner
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        # A caller's argparse.REMAINDER keeps the separator that let options through.
+        args = args[1:]
     try:
-        opts = options.parse(sys.argv[1:] if argv is None else argv)
+        opts = options.parse(args)
     except SystemExit as exc:  # argparse: --help or a usage error
         return exc.code if isinstance(exc.code, int) else 2
 

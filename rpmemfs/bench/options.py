@@ -78,6 +78,9 @@ def parse(argv: list[str]) -> Options:
         if mount_files < 1:
             parser.error("--mount-files must be at least 1")
 
+    if not selected and mount_files is None:
+        parser.error("--only selected nothing to run")
+
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     if rounds < 1:
         parser.error("--rounds must be at least 1")

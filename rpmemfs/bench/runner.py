@@ -52,20 +52,10 @@ def run(opts: Options) -> RunResult:
 
 
 def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult) -> None:
+    measured: dict[tuple[str, str], list[WorkloadResult]] = {}
+    errors: dict[tuple[str, str], str] = {}
     with ExitStack() as stack:
-        dirs: dict[str, Target] = {}
-        for name in TARGET_NAMES:
-            note(f"bringing up {name}")
-            try:
-                dirs[name] = stack.enter_context(TARGETS[name](workdir, opts.pool_size))
-            except MountError as exc:
-                result.targets[name] = TargetStatus(False, str(exc))
-                note(f"{name} is unavailable, going on without it:\n  {exc}")
-            else:
-                result.targets[name] = TargetStatus(True)
-
-        measured: dict[tuple[str, str], list[WorkloadResult]] = {}
-        errors: dict[tuple[str, str], str] = {}
+        targets = _bring_up(stack, workdir, opts.pool_size, result)
         for round_no in range(opts.rounds):
             # Workload by workload rather than target by target, and a different target
             # first in every round, so drifting background load on a shared machine
@@ -74,25 +64,14 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
             order = TARGET_NAMES[shift:] + TARGET_NAMES[:shift]
             for wname in opts.workloads:
                 for tname in order:
-                    status = result.targets[tname]
-                    if not status.available or (wname, tname) in errors:
-                        continue
-                    label = f"round {round_no + 1}/{opts.rounds}: {wname} on {tname}"
-                    target = dirs[tname]
-                    try:
-                        got = _measure(WORKLOADS[wname], target.path, scale, opts.timeout, label)
-                    except Timeout as exc:
-                        status.available = False
-                        status.error = (f"{wname} hung ({exc}); later workloads skipped"
-                                        + log_tail(target.log))
-                        errors[(wname, tname)] = str(exc)
-                        note(f"{label}: {status.error}")
-                    except ChildFailed as exc:
-                        errors[(wname, tname)] = (str(exc).splitlines()[0]
-                                                  + log_tail(target.log))
-                        note(f"{label} failed: {exc}{log_tail(target.log)}")
-                    else:
-                        measured.setdefault((wname, tname), []).append(got)
+                    if result.targets[tname].available and (wname, tname) not in errors:
+                        label = f"round {round_no + 1}/{opts.rounds}: {wname} on {tname}"
+                        got = _measure_or_record(WORKLOADS[wname], targets[tname], scale,
+                                                 opts.timeout, label, result.targets[tname])
+                        if isinstance(got, str):
+                            errors[(wname, tname)] = got
+                        else:
+                            measured.setdefault((wname, tname), []).append(got)
         note("stopping filesystems")
 
     for wname in opts.workloads:
@@ -104,6 +83,39 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
             if rounds or error:
                 row[tname] = Outcome(result=combine_rounds(rounds) if rounds else None,
                                      error=error)
+
+
+def _bring_up(stack: ExitStack, workdir: Path, pool_size: str,
+              result: RunResult) -> dict[str, Target]:
+    """Every target that comes up; the others are marked unavailable with the reason."""
+    targets: dict[str, Target] = {}
+    for name in TARGET_NAMES:
+        note(f"bringing up {name}")
+        try:
+            targets[name] = stack.enter_context(TARGETS[name](workdir, pool_size))
+        except (MountError, OSError) as exc:
+            result.targets[name] = TargetStatus(False, str(exc))
+            note(f"{name} is unavailable, going on without it:\n  {exc}")
+        else:
+            result.targets[name] = TargetStatus(True)
+    return targets
+
+
+def _measure_or_record(workload: Workload, target: Target, scale: Scale, timeout: float,
+                       label: str, status: TargetStatus) -> WorkloadResult | str:
+    """The measurement, or the error to report in its place."""
+    try:
+        return _measure(workload, target.path, scale, timeout, label)
+    except Timeout as exc:
+        # A hung filesystem stays hung: stop sending it work.
+        status.available = False
+        status.error = f"{workload.name} hung ({exc}); later workloads skipped" + log_tail(
+            target.log)
+        note(f"{label}: {status.error}")
+        return str(exc)
+    except ChildFailed as exc:
+        note(f"{label} failed: {exc}{log_tail(target.log)}")
+        return str(exc).splitlines()[0] + log_tail(target.log)
 
 
 def _measure(workload: Workload, directory: Path, scale: Scale, timeout: float,

@@ -25,7 +25,6 @@ TARGET_NAMES = ("rpmemfs", "passthrough", "plain")
 MOUNT_TIMEOUT = 60.0
 
 
-
 @dataclass(frozen=True)
 class Target:
     path: Path

@@ -39,6 +39,9 @@ MAX_FILE_SIZE = 1 << 50
 # checkpoint; new inodes are refused (ENOSPC) past it.
 SNAPSHOT_LIMIT = 0.6
 SNAPSHOT_RECORD = 64 << 10
+# Copies this large go to the pool with non-temporal stores (when it is pmem): they bypass
+# the cache, so the durability point has nothing to flush for them.
+NT_MIN = 64 << 10
 INODE_COST = 160  # rough snapshot bytes per small file, for statfs' inode numbers
 
 
@@ -55,6 +58,7 @@ class Persister:
     """What the filesystem needs from the persistence layer (PoolMapping satisfies it)."""
 
     def persist(self, ranges: Ranges) -> None: ...
+    def persist_then_store(self, first: Ranges, offset: int, data: bytes) -> None: ...
 
 
 def read_header(buf: memoryview) -> tuple[Header, list[str]]:
@@ -90,6 +94,10 @@ class Filesystem:
                 self.alloc.mark_used(pb, n)
         self.dirty_inodes: dict[int, Inode] = {}
         self.dirty_data: Ranges = []
+        # Ranges written with non-temporal stores: durable locally already, listed for the
+        # layers (replication) that still have to carry them.
+        self.nt_data: Ranges = []
+        self.copy_nt: Callable[[int, memoryview], None] | None = None
         self.pending_bytes = 0  # log bytes the dirty inodes will need
         self.fsyncs = 0
         self.meta_full = False
@@ -232,11 +240,12 @@ class Filesystem:
         data = _coalesce(self.dirty_data)
         self.dirty_data = []
         tail, seq = self.log.tail, self.log.next_seq - 1
-        if data:
-            self.persister.persist(data)
-        staged = self.log.stage_out()
+        staged = self.log.take_staged()
         if staged:
-            self.persister.persist(staged)
+            self.persister.persist_then_store(data, staged[0], staged[1])
+        elif data:
+            self.persister.persist(data)
+        self.nt_data = []
         self.log.mark_durable(tail, seq)
         self.alloc.durable(seq)
 
@@ -714,6 +723,7 @@ class Filesystem:
         base = self.data_off
         pos = off
         dirty = self.dirty_data
+        nt = self.copy_nt
         while pos < end:
             fb = pos >> BLOCK_SHIFT
             pb = blocks[fb]
@@ -722,8 +732,12 @@ class Filesystem:
                 nfb += 1
             stop = min(end, nfb << BLOCK_SHIFT)
             a = base + (pb << BLOCK_SHIFT) + (pos & (BLOCK - 1))
-            buf[a: a + stop - pos] = mv[pos - off: stop - off]
-            dirty.append((a, stop - pos))
+            if nt is not None and stop - pos >= NT_MIN:
+                nt(a, mv[pos - off: stop - off])
+                self.nt_data.append((a, stop - pos))
+            else:
+                buf[a: a + stop - pos] = mv[pos - off: stop - off]
+                dirty.append((a, stop - pos))
             pos = stop
 
     def _map_new(self, node: Inode, missing: list[int], runs: list[tuple[int, int]],

@@ -111,16 +111,14 @@ class Log:
         self.records += 1
         return seq
 
-    def stage_out(self) -> Ranges:
-        """Copy staged records into the pool; the range to persist next."""
+    def take_staged(self) -> tuple[int, bytes] | None:
+        """The staged records and the pool offset they go to; the caller stores them."""
         if not self.stage:
-            return []
-        start = self.base + self.written
-        n = len(self.stage)
-        self.buf[start: start + n] = self.stage
+            return None
+        out = (self.base + self.written, bytes(self.stage))
         self.stage = bytearray()
         self.written = self.tail
-        return [(start, n)]
+        return out
 
     def mark_durable(self, tail: int, seq: int) -> None:
         """Records below tail (up to seq) are durable; called after the ranges were persisted."""
