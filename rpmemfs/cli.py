@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own options; argparse's REMAINDER would refuse "--quick".
+        from rpmemfs import bench
+
+        return bench.main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level)
     try:

@@ -36,6 +36,7 @@ class MountOptions:
     log_level: str = "warning"
     log_file: str | None = None
     xattrs: bool = True
+    writeback_cache: bool = False
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     extra: list[str] = field(default_factory=list)
 
@@ -58,6 +59,9 @@ def parse_options(opts: list[str]) -> MountOptions:
                 mo.log_level = value
             elif key == "log":
                 mo.log_file = value
+            elif key == "writeback_cache":
+                # Off by default, by measurement: see docs/benchmarks.md.
+                mo.writeback_cache = True
             elif key == "noxattr":
                 mo.xattrs = False
             elif key == "allow_other":
@@ -87,15 +91,23 @@ class Mounted:
             self.mapping = PoolMapping.open(self.pool, mo.pmem)
         except PmemError as e:
             raise MountError(str(e)) from None
+        failure = ""
         try:
             self.fs = Filesystem.open(self.mapping.buf, self.mapping)
-            if self.mapping.is_pmem:
-                self.fs.copy_nt = self.mapping.write_nt
         except PoolFormatError as e:
-            self.mapping.close()
-            raise MountError(f"cannot mount {pool}: {e}") from None
+            failure = str(e)
+        if failure:
+            # Outside the except block, so the traceback's views into the pool are gone.
+            try:
+                self.mapping.close()
+            except BufferError:
+                pass  # a view survived; the process is about to exit and unmap anyway
+            raise MountError(f"cannot mount {pool}: {failure}")
+        if self.mapping.is_pmem:
+            self.fs.copy_nt = self.mapping.write_nt
         self.open_seconds = time.perf_counter() - t0
         self.ops = Operations(self.fs, self.describe, xattrs=mo.xattrs)
+        self.ops.enable_writeback_cache = mo.writeback_cache
 
     def describe(self) -> dict[str, Any]:
         fs = self.fs

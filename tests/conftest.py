@@ -17,8 +17,8 @@ from helpers import (  # noqa: E402
     cli,
     describe,
     fusermount_detach,
-    is_mounted,
     mkfs,
+    mounts_under,
 )
 
 MakePool = Callable[..., Path]
@@ -44,12 +44,8 @@ def work_dir() -> Iterator[Path]:
     """A fresh directory under /dev/shm, removed (after detaching any mounts) afterwards."""
     d = Path(tempfile.mkdtemp(prefix="rpmemfs-test-", dir="/dev/shm"))
     yield d
-    for sub in sorted(d.rglob("*"), reverse=True):
-        try:
-            if sub.is_dir() and is_mounted(sub):
-                fusermount_detach(sub)
-        except OSError:
-            fusermount_detach(sub)
+    for mp in mounts_under(d):
+        fusermount_detach(Path(mp))
     shutil.rmtree(d, ignore_errors=True)
 
 

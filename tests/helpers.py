@@ -120,6 +120,20 @@ def is_mounted(path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def mounts_under(root: str | os.PathLike[str]) -> list[str]:
+    """Mount points at or below ROOT, deepest first."""
+    base = os.path.realpath(root)
+    found: list[str] = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4:
+                mp = _unescape_mountinfo(fields[4])
+                if mp == base or mp.startswith(base + "/"):
+                    found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
 def wait_until(pred: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while True:

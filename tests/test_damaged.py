@@ -202,16 +202,32 @@ def test_flipped_byte_in_primary_header(make_pool: MakePool, mount_pool: MountPo
     assert_check_clean(m.pool)
 
 
-def test_flipped_byte_in_backup_header(make_pool: MakePool, mount_pool: MountPool) -> None:
+def test_flipped_byte_in_backup_header_is_repaired(
+    make_pool: MakePool, mount_pool: MountPool
+) -> None:
+    """A mount repairs a damaged backup header too: afterwards the primary can be lost."""
     m, snaps = build_pool(make_pool, mount_pool)
     lay = layout(m.pool)
-    hb = lay["header_backup"]
+    hb, h = lay["header_backup"], lay["header"]
     flip_byte(m.pool, hb["offset"] + hb["length"] // 2)
-    check_unmodified_fails(m.pool, r"header")
     m.start()
     assert snapshot(m.path) == snaps[-1]
     m.unmount()
     assert_check_clean(m.pool)
+    overwrite(m.pool, h["offset"], b"NOTMAGIC")
+    m.start()  # only possible with a good backup header
+    got = snapshot(m.path)
+    assert got == snaps[-1], diff_snapshots(snaps[-1], got)
+    m.unmount()
+    assert_check_clean(m.pool)
+
+
+def test_check_reports_damaged_backup_header(make_pool: MakePool, mount_pool: MountPool) -> None:
+    m, _ = build_pool(make_pool, mount_pool, 2)
+    lay = layout(m.pool)
+    hb = lay["header_backup"]
+    flip_byte(m.pool, hb["offset"] + hb["length"] // 2)
+    check_unmodified_fails(m.pool, r"header")
 
 
 def test_both_headers_destroyed(make_pool: MakePool, mount_pool: MountPool) -> None:

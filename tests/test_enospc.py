@@ -181,3 +181,27 @@ def test_statfs_numbers(make_pool: MakePool, mount_pool: MountPool) -> None:
     sv4 = os.statvfs(m.path)
     assert sv4.f_blocks == sv.f_blocks
     assert abs(sv4.f_bfree - sv.f_bfree) <= 8
+
+
+def test_kill9_while_full(make_pool: MakePool, mount_pool: MountPool) -> None:
+    m = mount_pool(make_pool("8M"))
+    keep_data = random.Random(5).randbytes(200_000)
+    (m.path / "keep").write_bytes(keep_data)
+    fsync_path(m.path / "keep")
+    fsync_path(m.path)
+    written, err = fill(m.path / "fill")
+    assert err is not None and err.errno == errno.ENOSPC, repr(err)
+    fsync_path(m.path)
+    fill_sum = file_sha256(m.path / "fill")
+    m.kill9()
+    assert_check_clean(m.pool)
+    m.start()
+    assert (m.path / "keep").read_bytes() == keep_data
+    assert os.stat(m.path / "fill").st_size == written
+    assert file_sha256(m.path / "fill") == fill_sum
+    os.unlink(m.path / "fill")
+    assert wait_until(lambda: free_bytes(m.path) >= written)
+    (m.path / "again").write_bytes(b"a" * MiB)
+    fsync_path(m.path / "again")
+    m.unmount()
+    assert_check_clean(m.pool)

@@ -8,7 +8,9 @@ import mmap
 import os
 import random
 import stat
+import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from helpers import (
     RENAME_NOREPLACE,
     MiB,
     Mount,
+    assert_check_clean,
+    check_json,
     diff_snapshots,
     file_sha256,
     fsync_path,
@@ -914,3 +918,213 @@ def test_second_pool_is_independent(make_pool: MakePool, mount_pool: MountPool) 
     assert os.listdir(m2.path) == ["only-in-2"]
     m1.remount()
     assert os.listdir(m1.path) == ["only-in-1"]
+
+
+def test_rename_over_hard_linked_file(mnt: Mount) -> None:
+    r = mnt.path
+    (r / "target").write_bytes(b"target data")
+    os.link(r / "target", r / "other-name")
+    (r / "src").write_bytes(b"src data")
+    os.rename(r / "src", r / "target")
+    assert (r / "target").read_bytes() == b"src data"
+    assert os.stat(r / "target").st_nlink == 1
+    assert (r / "other-name").read_bytes() == b"target data"
+    assert os.stat(r / "other-name").st_nlink == 1
+    # renaming one hard link onto another name of the same inode is a no-op
+    os.link(r / "target", r / "alias")
+    os.rename(r / "alias", r / "target")
+    assert (r / "alias").exists() and os.stat(r / "target").st_nlink == 2
+    mnt.remount()
+    assert os.stat(r / "other-name").st_nlink == 1
+    assert os.stat(r / "target").st_nlink == 2
+    assert (r / "alias").read_bytes() == b"src data"
+
+
+def test_concurrent_writers(mnt: Mount) -> None:
+    """Threads issue real concurrent syscalls (the GIL is released around them)."""
+    shared = mnt.path / "shared"
+    nthreads, nchunks, chunk = 8, 40, 8192
+    with open(shared, "wb") as f:
+        f.truncate(nthreads * nchunks * chunk)
+
+    def work(t: int) -> None:
+        own = mnt.path / f"own{t}"
+        sfd = os.open(shared, os.O_WRONLY)
+        ofd = os.open(own, os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            for i in range(nchunks):
+                data = pattern(chunk, t * 1000 + i)
+                # interleaved regions of the shared file: chunk i of thread t
+                assert os.pwrite(sfd, data, (i * nthreads + t) * chunk) == chunk
+                assert os.write(ofd, data) == chunk
+                if i % 10 == 0:
+                    os.fsync(ofd)
+        finally:
+            os.close(sfd)
+            os.close(ofd)
+
+    with ThreadPoolExecutor(nthreads) as ex:
+        list(ex.map(work, range(nthreads)))
+    data = read_all(shared)
+    assert len(data) == nthreads * nchunks * chunk
+    for t in range(nthreads):
+        own = read_all(mnt.path / f"own{t}")
+        for i in range(nchunks):
+            want = pattern(chunk, t * 1000 + i)
+            off = (i * nthreads + t) * chunk
+            assert data[off : off + chunk] == want, (t, i)
+            assert own[i * chunk : (i + 1) * chunk] == want, (t, i)
+    sums = {p: file_sha256(mnt.path / p) for p in os.listdir(mnt.path)}
+    mnt.remount()
+    assert {p: file_sha256(mnt.path / p) for p in os.listdir(mnt.path)} == sums
+
+
+def test_many_metadata_operations_and_checkpoints(
+    make_pool: MakePool, mount_pool: MountPool
+) -> None:
+    """Enough fsynced metadata changes to fill the log several times over, so checkpoints
+    must happen; everything fsynced survives kill -9 and the pool checks clean."""
+    m = mount_pool(make_pool("8M"))
+    _, rep = check_json(m.pool)
+    gen0 = max(a["gen"] or 0 for a in rep["layout"]["log_areas"])
+    d = m.path / "churn"
+    d.mkdir()
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    expected: dict[str, bytes] = {}
+    try:
+        for i in range(5000):
+            name = f"f{i % 97}"
+            data = f"{i}:{name}\n".encode() * (i % 7)
+            fd = os.open(d / name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            os.write(fd, data)
+            os.fsync(fd)
+            os.close(fd)
+            expected[name] = data
+            if i % 5 == 0:
+                victim = f"f{(i * 7) % 97}"
+                if victim in expected:
+                    os.unlink(d / victim)
+                    del expected[victim]
+            if i % 11 == 0:
+                os.setxattr(d, "user.counter", str(i).encode())
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    mnt_path = m.path
+    m.kill9()
+    rc, rep = check_json(m.pool)
+    assert rc == 0 and rep["clean"], rep["problems"]
+    gen1 = max(a["gen"] or 0 for a in rep["layout"]["log_areas"])
+    assert gen1 > gen0, f"no checkpoint after 5000 fsynced operations (gen {gen0} -> {gen1})"
+    m.start()
+    assert sorted(os.listdir(mnt_path / "churn")) == sorted(expected)
+    for name, data in expected.items():
+        assert (mnt_path / "churn" / name).read_bytes() == data, name
+    assert os.getxattr(mnt_path / "churn", "user.counter") == b"4994"
+    m.unmount()
+    assert_check_clean(m.pool)
+
+
+def test_posix_fallocate(mnt: Mount) -> None:
+    """pyfuse3 has no fallocate handler: glibc's posix_fallocate falls back to writing
+    zeros, which must give the right size, zeros, and keep existing data."""
+    p = mnt.path / "falloc"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, MiB)
+        assert os.fstat(fd).st_size == MiB
+        assert os.pread(fd, 2 * MiB, 0) == b"\0" * MiB
+        assert os.fstat(fd).st_blocks >= MiB // 512
+        os.pwrite(fd, b"data in the middle", 500_000)
+        os.posix_fallocate(fd, 400_000, 2 * MiB)  # overlaps the data, extends the file
+        assert os.fstat(fd).st_size == 400_000 + 2 * MiB
+        got = os.pread(fd, 3 * MiB, 0)
+        assert got[500_000:500_018] == b"data in the middle"
+        assert got.count(0) == len(got) - len(b"data in the middle".replace(b"\0", b""))
+        os.posix_fallocate(fd, 0, 10)  # inside the file: no change
+        assert os.fstat(fd).st_size == 400_000 + 2 * MiB
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    mnt.remount()
+    assert os.stat(p).st_size == 400_000 + 2 * MiB
+    assert read_all(p)[500_000:500_018] == b"data in the middle"
+
+
+def test_dir_mtime_changes_with_entries(mnt: Mount) -> None:
+    d = mnt.path / "d"
+    d.mkdir()
+    old = 1_000_000_000 * 10**9
+
+    def reset() -> None:
+        os.utime(d, ns=(old, old))
+        assert os.stat(d).st_mtime_ns == old
+
+    reset()
+    (d / "f").touch()
+    assert os.stat(d).st_mtime_ns > old, "create did not update the directory mtime"
+    reset()
+    os.rename(d / "f", d / "g")
+    assert os.stat(d).st_mtime_ns > old, "rename did not update the directory mtime"
+    reset()
+    os.mkdir(d / "sub")
+    assert os.stat(d).st_mtime_ns > old, "mkdir did not update the directory mtime"
+    reset()
+    os.rmdir(d / "sub")
+    assert os.stat(d).st_mtime_ns > old, "rmdir did not update the directory mtime"
+    reset()
+    os.unlink(d / "g")
+    assert os.stat(d).st_mtime_ns > old, "unlink did not update the directory mtime"
+
+
+def run_as(uid: int, gid: int, code: str) -> subprocess.CompletedProcess[str]:
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+    return subprocess.run(
+        ["/usr/bin/python3", "-c", code], preexec_fn=drop, capture_output=True, text=True,
+        timeout=60, cwd="/",
+    )
+
+
+def test_other_users_ownership_and_permissions(mnt: Mount, work_dir: Path) -> None:
+    r = mnt.path
+    os.chmod(work_dir, 0o755)  # mkdtemp made it 0700: let the other user reach the mount
+    os.chmod(r, 0o755)
+    (r / "secret").write_bytes(b"root only")
+    os.chmod(r / "secret", 0o600)
+    (r / "readable").write_bytes(b"everyone may read")
+    os.chmod(r / "readable", 0o644)
+    os.mkdir(r / "pub")
+    os.chmod(r / "pub", 0o777)
+    code = f"""
+import errno, os
+def err(f, *a):
+    try:
+        f(*a)
+    except OSError as e:
+        return e.errno
+    return 0
+r = {str(r)!r}
+print(err(os.open, r + "/secret", os.O_RDONLY) == errno.EACCES)
+print(open(r + "/readable", "rb").read() == b"everyone may read")
+print(err(os.open, r + "/readable", os.O_WRONLY) == errno.EACCES)
+print(err(os.open, r + "/new", os.O_CREAT | os.O_WRONLY) == errno.EACCES)
+print(err(os.chmod, r + "/readable", 0o777) == errno.EPERM)
+fd = os.open(r + "/pub/mine", os.O_CREAT | os.O_WRONLY, 0o640)
+os.write(fd, b"by user")
+os.close(fd)
+os.mkdir(r + "/pub/mydir")
+print("ok")
+"""
+    res = run_as(4321, 8765, code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True"] * 5 + ["ok"], res.stdout
+    st = os.stat(r / "pub" / "mine")
+    assert (st.st_uid, st.st_gid) == (4321, 8765), "new file not owned by its creator"
+    assert stat.S_IMODE(st.st_mode) == 0o640
+    st = os.stat(r / "pub" / "mydir")
+    assert (st.st_uid, st.st_gid) == (4321, 8765)
+    assert not (r / "new").exists()

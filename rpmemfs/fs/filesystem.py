@@ -62,19 +62,32 @@ class Persister:
 
 
 def read_header(buf: memoryview) -> tuple[Header, list[str]]:
-    """The pool header, from the backup copy when the primary is damaged."""
+    """The pool header and what is wrong with either copy (mount rewrites a damaged one)."""
+    copies: list[Header | None] = []
+    errors: list[str] = []
+    for off in (HEADER_OFF, BACKUP_OFF):
+        try:
+            copies.append(Header.decode(buf[off: off + HEADER_BYTES]))
+            errors.append("")
+        except PoolFormatError as e:
+            copies.append(None)
+            errors.append(str(e))
+    primary, backup = copies
+    if primary is None and backup is None:
+        if "magic" in errors[0] and "magic" in errors[1]:
+            raise PoolFormatError("not an rpmemfs pool (bad magic in both headers)")
+        raise PoolFormatError(f"both pool headers are damaged: primary: {errors[0]}; "
+                              f"backup: {errors[1]}")
     problems: list[str] = []
-    try:
-        return Header.decode(buf[HEADER_OFF: HEADER_OFF + HEADER_BYTES]), problems
-    except PoolFormatError as e:
-        problems.append(f"primary header damaged: {e}")
-    try:
-        hdr = Header.decode(buf[BACKUP_OFF: BACKUP_OFF + HEADER_BYTES])
-    except PoolFormatError as e:
-        if "magic" in str(e) and "magic" in problems[0]:
-            raise PoolFormatError("not an rpmemfs pool (bad magic in both headers)") from None
-        raise PoolFormatError(f"{problems[0]}; backup header damaged too: {e}") from None
-    problems[0] += " (the backup header is intact; mounting repairs the primary)"
+    if primary is None:
+        problems.append(f"primary header damaged: {errors[0]} (the backup is intact; "
+                        f"mounting repairs the primary)")
+    elif backup is None:
+        problems.append(f"backup header damaged: {errors[1]} (mounting repairs it)")
+    elif primary != backup:
+        problems.append("primary and backup headers differ (mounting rewrites the backup)")
+    hdr = primary or backup
+    assert hdr is not None
     return hdr, problems
 
 
@@ -118,7 +131,7 @@ class Filesystem:
             for off in (HEADER_OFF, BACKUP_OFF):
                 buf[off: off + len(raw)] = raw
             persister.persist([(HEADER_OFF, len(raw)), (BACKUP_OFF, len(raw))])
-            log.warning("pool header repaired from its backup copy: %s", problems[0])
+            log.warning("pool header repaired: %s", problems[0])
         t0 = time.perf_counter()
         found = scan(buf, hdr)
         index = Index()
