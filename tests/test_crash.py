@@ -177,6 +177,7 @@ def worker_small(root: Path, journal_path: Path, seed: int) -> None:
     j = Journal(journal_path)
     dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     present: set[int] = set()
+    news: list[str] = []
     seq = 0
     deadline = time.monotonic() + WORKER_MAX_SECONDS
     j.log({"ready": True})
@@ -193,12 +194,17 @@ def worker_small(root: Path, journal_path: Path, seed: int) -> None:
             os.close(fd)
             os.rename(root / f"k{key}.tmp", root / f"k{key}")
             present.add(key)
+        elif r < 0.9 and len(news) > 60:
+            name = news.pop(rng.randrange(len(news)))
+            j.log({"seq": seq, "op": "delnew", "name": name})
+            os.unlink(root / name)
         elif r < 0.9:
             j.log({"seq": seq, "op": "new", "name": f"n{seq}", "len": length})
             fd = os.open(root / f"n{seq}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             os.write(fd, small_content(100_000 + seq, seq, length))
             os.fsync(fd)
             os.close(fd)
+            news.append(f"n{seq}")
         elif present:
             key = rng.choice(sorted(present))
             j.log({"seq": seq, "op": "unlink", "key": key})
@@ -467,6 +473,8 @@ def verify_small_round(root: Path, journal: Path) -> list[str]:
             keys.pop(o["key"])
         elif o["op"] == "new":
             news[o["name"]] = o
+        elif o["op"] == "delnew":
+            del news[o["name"]]
     errors: list[str] = []
     observed = set(os.listdir(root))
     allowed = {f"k{k}" for k in keys} | set(news)
@@ -505,7 +513,10 @@ def verify_small_round(root: Path, journal: Path) -> list[str]:
                 errors.append(f"{name}: rename visible but {tmp} still exists")
     for name, o in news.items():
         want = small_content(100_000 + o["seq"], o["seq"], o["len"])
-        if name not in observed:
+        if pend is not None and pend["op"] == "delnew" and pend["name"] == name:
+            if name in observed and (root / name).read_bytes() != want:
+                errors.append(f"{name}: file being deleted has changed content")
+        elif name not in observed:
             errors.append(f"{name}: acknowledged new file missing")
         elif (root / name).read_bytes() != want:
             errors.append(f"{name}: content differs from what was acknowledged")
