@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("bench", help="benchmarks against a pass-through FUSE fs and a plain dir",
+    s = sub.add_parser("bench", help="benchmarks vs pass-through FUSE filesystems and the plain dir",
                        add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_bench)

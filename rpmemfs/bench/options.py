@@ -6,10 +6,15 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from rpmemfs.bench.targets import DEFAULT_TARGETS, TARGET_NAMES
 from rpmemfs.bench.workloads import WORKLOADS
 
 MOUNT100K = "mount100k"
 DEFAULT_MOUNT_FILES = 100_000
+# Five rounds of five workloads on the five default targets take about 2.5 minutes on
+# the shared 2-core dev machine (docs/benchmarks.md), well inside what a full run may
+# cost, and a median of five survives two spoilt rounds.
+DEFAULT_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,8 @@ class Options:
     quick: bool
     json_path: Path | None
     workloads: tuple[str, ...]
+    # In TARGET_NAMES order, whatever order they were given in, so columns are stable.
+    targets: tuple[str, ...]
     pool_size: str
     # None: the slow mount-time measurement is not run.
     mount_files: int | None
@@ -31,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rpmemfs bench",
         description="Compare rpmemfs with a pass-through FUSE filesystem and a plain "
-                    "directory on the same backing store.",
+                    "directory on the same backing store, each FUSE filesystem with and "
+                    "without extended attributes.",
     )
     p.add_argument("--dir", type=Path, default=Path("/dev/shm"), metavar="DIR",
                    help="where the fresh work directory is made (default: /dev/shm)")
@@ -41,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write every number to FILE as JSON")
     p.add_argument("--only", metavar="NAME[,NAME]",
                    help=f"run only these workloads ({names})")
+    p.add_argument("--targets", metavar="NAME[,NAME]",
+                   help=f"compare only these targets ({', '.join(TARGET_NAMES)}; default: "
+                        f"{', '.join(DEFAULT_TARGETS)})")
     p.add_argument("--pool-size", default="1G", metavar="SIZE",
                    help="size of the rpmemfs pool, as `rpmemfs mkfs --size` takes it "
                         "(default: 1G)")
@@ -49,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MOUNT_FILES // 10:,} with --quick)")
     p.add_argument("--rounds", type=int, metavar="N",
                    help="repeat every workload N times, interleaved over the targets, and "
-                        "report the median (default: 5, 1 with --quick)")
+                        f"report the median (default: {DEFAULT_ROUNDS}, 1 with --quick)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up on a target after one workload ran this long (default: 300)")
     p.add_argument("--keep", action="store_true",
@@ -81,7 +92,18 @@ def parse(argv: list[str]) -> Options:
     if not selected and mount_files is None:
         parser.error("--only selected nothing to run")
 
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
+    targets = DEFAULT_TARGETS
+    if args.targets is not None:
+        wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in TARGET_NAMES]
+        if unknown:
+            parser.error(f"unknown target(s): {', '.join(unknown)} "
+                         f"(known: {', '.join(TARGET_NAMES)})")
+        if not wanted:
+            parser.error("--targets selected nothing")
+        targets = tuple(n for n in TARGET_NAMES if n in wanted)
+
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else DEFAULT_ROUNDS)
     if rounds < 1:
         parser.error("--rounds must be at least 1")
 
@@ -93,6 +115,7 @@ def parse(argv: list[str]) -> Options:
         quick=args.quick,
         json_path=args.json_path,
         workloads=tuple(dict.fromkeys(selected)),
+        targets=targets,
         pool_size=args.pool_size,
         mount_files=mount_files,
         rounds=rounds,

@@ -5,7 +5,12 @@ settings), so the difference between the two is what rpmemfs itself does, not FU
 Python. Every request ends in a real syscall on the source tree; nothing is cached or
 skipped here that the kernel would not cache for rpmemfs as well.
 
-    python -m rpmemfs.bench.passthrough SRC MNT
+    python -m rpmemfs.bench.passthrough [--xattr] SRC MNT
+
+Without --xattr it implements no xattr operations: the first ENOSYS makes the kernel
+stop asking, in particular for "security.capability" before every write(2). With
+--xattr, getxattr/setxattr/listxattr/removexattr go to the source files, so it pays
+that round trip like any filesystem offering xattrs (rpmemfs without noxattr).
 
 Readiness is signalled by MNT becoming a mount point; SIGTERM or SIGINT unmount cleanly.
 """
@@ -372,6 +377,58 @@ class Passthrough(pyfuse3.Operations):
         return out
 
 
+class XattrPassthrough(Passthrough):
+    """The pass-through plus extended attributes, passed on to the source files.
+
+    A subclass rather than a flag inside Passthrough, so the minimal one does not even
+    have the methods and keeps pyfuse3's ENOSYS defaults.
+    """
+
+    def _xattr_target(self, ino: int) -> tuple[int | str, bool]:
+        """What to hand os.*xattr, and whether symlinks may be followed.
+
+        An open file's fd, as _stat_ino does: it may have no name any more, and the
+        kernel's security.capability query before each write always has one open.
+        """
+        fds = self._inodes.open_fds.get(ino)
+        if fds:
+            # os.*xattr refuses follow_symlinks=False together with an fd.
+            return next(iter(fds)), True
+        # The kernel resolved any symlink itself; a name reaching us is the link.
+        return self._inodes.path(ino), False
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        target, follow = self._xattr_target(inode)
+        try:
+            return os.getxattr(target, name, follow_symlinks=follow)
+        except OSError as exc:
+            raise _errno_of(exc) from None
+
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        # pyfuse3 checks XATTR_CREATE/XATTR_REPLACE itself (through getxattr) and
+        # passes no flags on, so plain set is right here.
+        target, follow = self._xattr_target(inode)
+        try:
+            os.setxattr(target, name, value, follow_symlinks=follow)
+        except OSError as exc:
+            raise _errno_of(exc) from None
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        target, follow = self._xattr_target(inode)
+        try:
+            return [os.fsencode(n) for n in os.listxattr(target, follow_symlinks=follow)]
+        except OSError as exc:
+            raise _errno_of(exc) from None
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        target, follow = self._xattr_target(inode)
+        try:
+            os.removexattr(target, name, follow_symlinks=follow)
+        except OSError as exc:
+            raise _errno_of(exc) from None
+
+
 async def _serve() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_terminate_on_signal)
@@ -393,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("source", metavar="SRC")
     parser.add_argument("mountpoint", metavar="MNT")
+    parser.add_argument("--xattr", action="store_true",
+                        help="pass extended attribute calls through to SRC (default: ENOSYS)")
     parser.add_argument("--debug", action="store_true", help="log every FUSE request")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING)
@@ -401,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"passthrough: {args.source}: not a directory", file=sys.stderr)
         return 2
     options = set(pyfuse3.default_options)  # carries default_permissions
-    options.add("fsname=passthrough")
-    pyfuse3.init(Passthrough(args.source), args.mountpoint, options)
+    ops_class = XattrPassthrough if args.xattr else Passthrough
+    options.add("fsname=passthrough-xattr" if args.xattr else "fsname=passthrough")
+    pyfuse3.init(ops_class(args.source), args.mountpoint, options)
     try:
         trio.run(_serve)
     finally:

@@ -3,20 +3,44 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rpmemfs.bench.machine import one_line
 from rpmemfs.bench.results import Outcome, RunResult
 from rpmemfs.bench.stats import Metric
-from rpmemfs.bench.targets import TARGET_NAMES
+from rpmemfs.bench.targets import (
+    PASSTHROUGH,
+    PASSTHROUGH_XATTR,
+    PLAIN,
+    RPMEMFS,
+    RPMEMFS_NOXATTR,
+    RPMEMFS_WBCACHE,
+    TARGET_NAMES,
+    TARGET_SUMMARIES,
+)
 
-# (label, numerator, denominator); the first two are what the comparison is about,
-# the third shows what FUSE itself costs, which is needed to read the other two.
+
+@dataclass(frozen=True)
+class Ratio:
+    numerator: str
+    denominator: str
+    meaning: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.numerator}/{self.denominator}"
+
+
+# The first two are the like-for-like comparisons: the kernel sends the same requests
+# to both sides, so what is left is rpmemfs's own work. The plain ratios show how much
+# of everything FUSE and Python take, which is needed to read the other two.
 RATIOS = (
-    ("rpmemfs/passthrough", "rpmemfs", "passthrough"),
-    ("rpmemfs/plain", "rpmemfs", "plain"),
-    ("passthrough/plain", "passthrough", "plain"),
+    Ratio(RPMEMFS, PASSTHROUGH_XATTR, "both offer xattrs (GETXATTR before every write)"),
+    Ratio(RPMEMFS_NOXATTR, PASSTHROUGH, "neither offers xattrs (no GETXATTR)"),
+    Ratio(RPMEMFS_WBCACHE, RPMEMFS, "what the kernel writeback cache changes"),
+    Ratio(RPMEMFS, PLAIN, "rpmemfs against the bare backing directory"),
+    Ratio(PASSTHROUGH, PLAIN, "what FUSE + Python cost by themselves"),
 )
 
 LEGEND = (
@@ -24,6 +48,18 @@ LEGEND = (
     "below 1 means A is faster;\nfor 'higher' metrics (throughput, rate) a ratio above 1 "
     "means A is faster. 1 MB = 10^6 bytes."
 )
+
+
+def _columns(run: RunResult) -> list[str]:
+    """The targets that were brought up (or tried to be), plus any that reported
+    without that: mount100k measures rpmemfs on its own."""
+    wanted = set(run.targets)
+    wanted.update(t for row in run.outcomes.values() for t in row)
+    return [t for t in TARGET_NAMES if t in wanted]
+
+
+def _ratios_for(columns: list[str]) -> list[Ratio]:
+    return [r for r in RATIOS if r.numerator in columns and r.denominator in columns]
 
 
 def _metrics_of(row: dict[str, Outcome]) -> list[Metric]:
@@ -80,39 +116,62 @@ def _scale_line(run: RunResult) -> str:
             f"rpmemfs pool {run.config['pool_size']}")
 
 
-def render(run: RunResult) -> str:
-    header = ["workload", "metric", "unit", "better", *TARGET_NAMES, *(r[0] for r in RATIOS)]
-    rows: list[list[str]] = []
-    for wname, row in run.outcomes.items():
-        for i, m in enumerate(_metrics_of(row)):
-            cells = [wname if i == 0 else "", m.name, m.unit, m.better]
-            cells += [_cell(run, row, t, m.name) for t in TARGET_NAMES]
-            for _, num, den in RATIOS:
-                r = _ratio(_value(row, num, m.name), _value(row, den, m.name))
-                cells.append("-" if r is None else f"{r:.2f}x")
-            rows.append(cells)
-        if not _metrics_of(row):
-            cells = [wname, "(no result)", "", ""]
-            cells += [_cell(run, row, t, "") for t in TARGET_NAMES]
-            rows.append(cells + ["-" for _ in RATIOS])
+def _load_line(run: RunResult) -> str:
+    def shown(load: tuple[float, float, float] | None) -> str:
+        return "?" if load is None else " ".join(f"{x:.2f}" for x in load)
 
+    return (f"load average (1/5/15 min): {shown(run.load_before)} before, "
+            f"{shown(run.load_after)} after, on {run.machine['cores']} cores")
+
+
+def _table(header: list[str], rows: list[list[str]], numeric_from: int) -> list[str]:
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    numeric_from = 4
 
     def line(cells: list[str]) -> str:
         out = [cell.ljust(widths[c]) if c < numeric_from else cell.rjust(widths[c])
                for c, cell in enumerate(cells)]
         return "  ".join(out).rstrip()
 
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def render(run: RunResult) -> str:
+    columns = _columns(run)
+    ratios = _ratios_for(columns)
+    value_rows: list[list[str]] = []
+    ratio_rows: list[list[str]] = []
+    for wname, row in run.outcomes.items():
+        metrics = _metrics_of(row)
+        for i, m in enumerate(metrics):
+            label = [wname if i == 0 else "", m.name]
+            value_rows.append([*label, m.unit, m.better,
+                               *(_cell(run, row, t, m.name) for t in columns)])
+            cells = [*label, m.better]
+            for r in ratios:
+                q = _ratio(_value(row, r.numerator, m.name), _value(row, r.denominator, m.name))
+                cells.append("-" if q is None else f"{q:.2f}x")
+            if any(c != "-" for c in cells[3:]):
+                ratio_rows.append(cells)
+        if not metrics:
+            value_rows.append([wname, "(no result)", "", "",
+                               *(_cell(run, row, t, "") for t in columns)])
+
     lines = [one_line(run.machine),
              f"work dir: {run.workdir} ({run.workdir_fs})",
              _scale_line(run),
+             _load_line(run),
              "",
-             line(header),
-             line(["-" * w for w in widths]),
-             *(line(r) for r in rows),
-             "",
-             LEGEND]
+             *_table(["workload", "metric", "unit", "better", *columns], value_rows, 4)]
+    if ratios and ratio_rows:
+        lines += ["",
+                  *_table(["workload", "metric", "better", *(r.label for r in ratios)],
+                          ratio_rows, 3),
+                  "",
+                  LEGEND]
+        lines += [f"  {r.label}: {r.meaning}" for r in ratios]
+    lines.append("targets:")
+    lines += [f"  {t}: {TARGET_SUMMARIES[t]}" for t in columns]
+    lines.append("workloads:")
     for wname in run.outcomes:
         lines.append(f"  {wname}: {run.summaries.get(wname, '')}")
     for name, status in run.targets.items():
@@ -126,16 +185,19 @@ def render(run: RunResult) -> str:
 
 
 def as_json(run: RunResult) -> dict[str, object]:
+    columns = _columns(run)
+    ratios = _ratios_for(columns)
     workloads: dict[str, object] = {}
     for wname, row in run.outcomes.items():
         metrics: dict[str, object] = {}
         for m in _metrics_of(row):
-            values = {t: _value(row, t, m.name) for t in TARGET_NAMES}
+            values = {t: _value(row, t, m.name) for t in columns}
             metrics[m.name] = {
                 "unit": m.unit,
                 "better": m.better,
                 "values": values,
-                "ratios": {label: _ratio(values[a], values[b]) for label, a, b in RATIOS},
+                "ratios": {r.label: _ratio(values[r.numerator], values[r.denominator])
+                           for r in ratios},
             }
         workloads[wname] = {
             "summary": run.summaries.get(wname, ""),
@@ -148,7 +210,11 @@ def as_json(run: RunResult) -> dict[str, object]:
         "config": run.config,
         "workdir": run.workdir,
         "workdir_fs": run.workdir_fs,
-        "targets": {name: asdict(s) for name, s in run.targets.items()},
+        "load_before": run.load_before,
+        "load_after": run.load_after,
+        "targets": {name: {**asdict(s), "what": TARGET_SUMMARIES[name]}
+                    for name, s in run.targets.items()},
+        "ratios": {r.label: r.meaning for r in ratios},
         "workloads": workloads,
     }
 

@@ -30,3 +30,7 @@ class RunResult:
     outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     # One-line description of each workload that ran, for the report.
     summaries: dict[str, str] = field(default_factory=dict)
+    # 1/5/15-minute load averages at start and end: on a shared machine they say how
+    # far the numbers can be trusted.
+    load_before: tuple[float, float, float] | None = None
+    load_after: tuple[float, float, float] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import ExitStack
@@ -15,7 +16,7 @@ from rpmemfs.bench.options import MOUNT100K, Options
 from rpmemfs.bench.progress import note
 from rpmemfs.bench.results import Outcome, RunResult, TargetStatus
 from rpmemfs.bench.stats import WorkloadResult, combine_rounds
-from rpmemfs.bench.targets import TARGET_NAMES, TARGETS, Target
+from rpmemfs.bench.targets import TARGETS, Target
 from rpmemfs.bench.workloads import WORKLOADS, Scale, Workload
 
 
@@ -29,10 +30,12 @@ def run(opts: Options) -> RunResult:
             "pool_size": opts.pool_size,
             "mount_files": opts.mount_files,
             "rounds": opts.rounds,
+            "targets": list(opts.targets),
             "scale": vars(scale).copy(),
         },
         workdir=str(workdir),
         workdir_fs=fs_type(workdir),
+        load_before=os.getloadavg(),
     )
     note(f"work dir {workdir} ({result.workdir_fs})")
     try:
@@ -48,6 +51,7 @@ def run(opts: Options) -> RunResult:
     finally:
         detach_all_under(workdir)
         _remove_workdir(workdir, opts.keep)
+    result.load_after = os.getloadavg()
     return result
 
 
@@ -55,13 +59,13 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
     measured: dict[tuple[str, str], list[WorkloadResult]] = {}
     errors: dict[tuple[str, str], str] = {}
     with ExitStack() as stack:
-        targets = _bring_up(stack, workdir, opts.pool_size, result)
+        targets = _bring_up(stack, workdir, opts.targets, opts.pool_size, result)
         for round_no in range(opts.rounds):
             # Workload by workload rather than target by target, and a different target
             # first in every round, so drifting background load on a shared machine
             # spreads over all targets instead of favouring one.
-            shift = round_no % len(TARGET_NAMES)
-            order = TARGET_NAMES[shift:] + TARGET_NAMES[:shift]
+            shift = round_no % len(opts.targets)
+            order = opts.targets[shift:] + opts.targets[:shift]
             for wname in opts.workloads:
                 for tname in order:
                     if result.targets[tname].available and (wname, tname) not in errors:
@@ -77,7 +81,7 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
     for wname in opts.workloads:
         result.summaries[wname] = WORKLOADS[wname].summary
         row = result.outcomes.setdefault(wname, {})
-        for tname in TARGET_NAMES:
+        for tname in opts.targets:
             rounds = measured.get((wname, tname))
             error = errors.get((wname, tname))
             if rounds or error:
@@ -85,11 +89,11 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
                                      error=error)
 
 
-def _bring_up(stack: ExitStack, workdir: Path, pool_size: str,
+def _bring_up(stack: ExitStack, workdir: Path, names: tuple[str, ...], pool_size: str,
               result: RunResult) -> dict[str, Target]:
     """Every target that comes up; the others are marked unavailable with the reason."""
     targets: dict[str, Target] = {}
-    for name in TARGET_NAMES:
+    for name in names:
         note(f"bringing up {name}")
         try:
             targets[name] = stack.enter_context(TARGETS[name](workdir, pool_size))

@@ -1,8 +1,14 @@
-"""The three things being compared, each brought up under one work directory.
+"""The things being compared, each brought up under one work directory.
 
-All of them live on the filesystem of the work directory, so the pool file, the
-pass-through's source tree and the plain directory share the same backing store.
+All of them live on the filesystem of the work directory, so the pool files, the
+pass-throughs' source trees and the plain directory share the same backing store.
 Every context manager leaves nothing mounted behind, also when it fails half-way.
+
+Why two of each FUSE filesystem: before every write(2) to a FUSE filesystem that
+implements getxattr, the kernel asks it for "security.capability" (FUSE clears
+SB_NOSEC, and only FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14 cannot negotiate,
+would spare it). A filesystem that answers ENOSYS once is never asked again. So a
+fair comparison pairs filesystems that either both offer xattrs or both do not.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from rpmemfs.bench.mounts import (
@@ -21,7 +28,37 @@ from rpmemfs.bench.mounts import (
     wait_until_mounted,
 )
 
-TARGET_NAMES = ("rpmemfs", "passthrough", "plain")
+RPMEMFS = "rpmemfs"
+RPMEMFS_NOXATTR = "rpmemfs-noxattr"
+RPMEMFS_WBCACHE = "rpmemfs-wbcache"
+PASSTHROUGH = "passthrough"
+PASSTHROUGH_XATTR = "passthrough-xattr"
+PLAIN = "plain"
+
+# Every target, in the order columns are printed.
+TARGET_NAMES = (RPMEMFS, RPMEMFS_NOXATTR, RPMEMFS_WBCACHE, PASSTHROUGH, PASSTHROUGH_XATTR,
+                PLAIN)
+# The writeback cache changes what a write means (it returns before the daemon sees
+# the data), so it is not part of the like-for-like comparison and runs on request.
+DEFAULT_TARGETS = (RPMEMFS, RPMEMFS_NOXATTR, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
+
+RPMEMFS_OPTIONS = {
+    RPMEMFS: "pmem=force",
+    RPMEMFS_NOXATTR: "pmem=force,noxattr",
+    RPMEMFS_WBCACHE: "pmem=force,writeback_cache",
+}
+
+TARGET_SUMMARIES = {
+    RPMEMFS: f"rpmemfs mount -o {RPMEMFS_OPTIONS[RPMEMFS]} (xattrs supported)",
+    RPMEMFS_NOXATTR: f"rpmemfs mount -o {RPMEMFS_OPTIONS[RPMEMFS_NOXATTR]} "
+                     "(xattr calls answer ENOSYS)",
+    RPMEMFS_WBCACHE: f"rpmemfs mount -o {RPMEMFS_OPTIONS[RPMEMFS_WBCACHE]} "
+                     "(kernel writeback cache on)",
+    PASSTHROUGH: "minimal pyfuse3 pass-through (xattr calls answer ENOSYS)",
+    PASSTHROUGH_XATTR: "the same pass-through with xattr calls passed to the source files",
+    PLAIN: "the backing directory itself, no FUSE",
+}
+
 MOUNT_TIMEOUT = 60.0
 
 
@@ -62,44 +99,50 @@ def _daemon(argv: list[str], mountpoint: Path, log: Path, what: str) -> Iterator
 
 
 @contextmanager
-def rpmemfs_daemon(pool: Path, mountpoint: Path, log: Path) -> Iterator[Path]:
+def rpmemfs_daemon(pool: Path, mountpoint: Path, log: Path,
+                   options: str = RPMEMFS_OPTIONS[RPMEMFS]) -> Iterator[Path]:
     """rpmemfs mounted in the foreground (-f), so we own the daemon's lifetime."""
-    argv = rpmemfs_command("mount", str(pool), str(mountpoint), "-f", "-o", "pmem=force")
-    with _daemon(argv, mountpoint, log, "rpmemfs mount") as mnt:
+    argv = rpmemfs_command("mount", str(pool), str(mountpoint), "-f", "-o", options)
+    with _daemon(argv, mountpoint, log, f"rpmemfs mount -o {options}") as mnt:
         yield mnt
 
 
 @contextmanager
-def rpmemfs_target(workdir: Path, pool_size: str) -> Iterator[Target]:
-    pool = workdir / "rpmemfs.pool"
-    log = workdir / "rpmemfs.log"
+def rpmemfs_target(name: str, workdir: Path, pool_size: str) -> Iterator[Target]:
+    # A pool per variant: sharing one would let one target's allocations and log
+    # state leak into another's numbers.
+    pool = workdir / f"{name}.pool"
+    log = workdir / f"{name}.log"
     mkfs(pool, pool_size)
-    with rpmemfs_daemon(pool, workdir / "mnt-rpmemfs", log) as mnt:
+    with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log, RPMEMFS_OPTIONS[name]) as mnt:
         yield Target(mnt, log)
 
 
 @contextmanager
-def passthrough_target(workdir: Path, pool_size: str) -> Iterator[Target]:
-    # A sibling of the pool file, so both sit on the same backing filesystem.
-    source = workdir / "passthrough-src"
+def passthrough_target(name: str, workdir: Path, pool_size: str) -> Iterator[Target]:
+    # A sibling of the pool files, so all sit on the same backing filesystem.
+    source = workdir / f"{name}-src"
     source.mkdir()
-    mountpoint = workdir / "mnt-passthrough"
-    log = workdir / "passthrough.log"
-    argv = python_module("rpmemfs.bench.passthrough", str(source), str(mountpoint))
-    with _daemon(argv, mountpoint, log, "passthrough") as mnt:
+    mountpoint = workdir / f"mnt-{name}"
+    log = workdir / f"{name}.log"
+    extra = ["--xattr"] if name == PASSTHROUGH_XATTR else []
+    argv = python_module("rpmemfs.bench.passthrough", *extra, str(source), str(mountpoint))
+    with _daemon(argv, mountpoint, log, name) as mnt:
         yield Target(mnt, log)
 
 
 @contextmanager
 def plain_target(workdir: Path, pool_size: str) -> Iterator[Target]:
-    directory = workdir / "plain"
+    directory = workdir / PLAIN
     directory.mkdir()
     yield Target(directory)
 
 
 TARGETS: dict[str, TargetFactory] = {
-    "rpmemfs": rpmemfs_target,
-    "passthrough": passthrough_target,
-    "plain": plain_target,
+    RPMEMFS: partial(rpmemfs_target, RPMEMFS),
+    RPMEMFS_NOXATTR: partial(rpmemfs_target, RPMEMFS_NOXATTR),
+    RPMEMFS_WBCACHE: partial(rpmemfs_target, RPMEMFS_WBCACHE),
+    PASSTHROUGH: partial(passthrough_target, PASSTHROUGH),
+    PASSTHROUGH_XATTR: partial(passthrough_target, PASSTHROUGH_XATTR),
+    PLAIN: plain_target,
 }
-
