@@ -10,6 +10,9 @@
 
 #include "rpmem_native.h"
 
+#include <errno.h>
+#include <sys/mman.h>
+
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdlib.h>
@@ -115,6 +118,15 @@ void rpm_persist_then_store(char *base, const uint64_t *pairs, size_t npairs,
         flusher(base + rec_off, len);
         rpm_drain();
     }
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+int rpm_populate(void *addr, size_t len)
+{
+    return madvise(addr, len, MADV_POPULATE_WRITE) == 0 ? 0 : -errno;
 }
 
 void rpm_memcpy_nt(void *dst, const void *src, size_t len)

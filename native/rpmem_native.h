@@ -33,6 +33,10 @@ void rpm_persist_then_store(char *base, const uint64_t *pairs, size_t npairs,
 /* Copy with non-temporal stores; dst is in the persistence domain on return. */
 void rpm_memcpy_nt(void *dst, const void *src, size_t len);
 
+/* Fault in the pages of [addr, addr + len) for writing (MADV_POPULATE_WRITE), so
+ * first stores into a fresh pool do not each take a page fault. 0 or -errno. */
+int rpm_populate(void *addr, size_t len);
+
 /* CRC-32C (Castagnoli). Start with crc = 0; chaining a previous result
  * continues the checksum: rpm_crc32c(rpm_crc32c(0, a), b) == crc of a+b. */
 uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len);

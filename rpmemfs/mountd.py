@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,12 @@ class Mounted:
         except RuntimeError as e:
             self.mapping.close()
             raise MountError(f"FUSE mount at {self.mountpoint} failed: {e}") from None
+        # Page faults on first stores into a fresh pool cost as much as the copy itself;
+        # taking them in the background keeps the mount itself quick for big pools.
+        self._populated = threading.Event()
+        self._populator = threading.Thread(target=self.mapping.populate, args=(self._populated,),
+                                           name="populate", daemon=True)
+        self._populator.start()
 
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -163,6 +170,8 @@ class Mounted:
                 return
 
     def finish(self) -> None:
+        self._populated.set()  # stop the populate thread before the mapping goes away
+        self._populator.join()
         try:
             self.fs.close()
         finally:

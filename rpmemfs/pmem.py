@@ -13,6 +13,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Self
@@ -186,6 +187,21 @@ class PoolMapping:
         if n:
             self._mm[offset : offset + n] = data
             self._persist_pairs([offset, n])
+
+    def populate(self, stop: threading.Event, chunk: int = 32 << 20) -> int:
+        """Fault the whole mapping in for writing, chunk by chunk, until done or `stop` is set.
+
+        Meant for a background thread: the C call drops the GIL. Returns bytes populated.
+        """
+        if self.readonly:
+            return 0
+        done = 0
+        while done < self.size and not stop.is_set():
+            n = min(chunk, self.size - done)
+            if lib.rpm_populate(self._base + done, n) != 0:
+                break  # a kernel without MADV_POPULATE_WRITE: faults stay lazy
+            done += n
+        return done
 
     def write_nt(self, offset: int, data: BytesLike) -> None:
         """Copy ``data`` to ``offset``; on pmem kinds it is durable on return."""
