@@ -59,13 +59,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _status(mountpoint: str) -> dict[str, Any]:
-    from rpmemfs.fuse import STATUS_XATTR
+    from rpmemfs import control
 
+    if not os.path.ismount(mountpoint):
+        raise CliError(f"{mountpoint} is not a mount point")
     try:
-        raw = os.getxattr(mountpoint, STATUS_XATTR.decode())
-    except OSError as e:
-        raise CliError(f"{mountpoint} is not an rpmemfs mount ({e.strerror})") from None
-    return json.loads(raw)
+        return control.query(mountpoint)
+    except (OSError, ValueError) as e:
+        raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -305,6 +305,7 @@ class Operations(pyfuse3.Operations):
         if not self.xattrs:
             raise FsError(errno.ENOSYS)
         if name == STATUS_XATTR and inode == pyfuse3.ROOT_INODE:
+            # also reachable without the control socket, e.g. from inside a container
             return json.dumps(self.describe()).encode()
         return self.fs.getxattr(inode, name)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from rpmemfs import logs
+from rpmemfs import control, logs
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fs.layout import BLOCK, PoolFormatError
 from rpmemfs.fuse import Operations
@@ -87,6 +87,7 @@ class Mounted:
             raise MountError(f"mountpoint {mountpoint} is not a directory")
         if os.path.ismount(self.mountpoint):
             raise MountError(f"{mountpoint} is already a mount point")
+        self.control_path = control.socket_path(self.mountpoint)
         t0 = time.perf_counter()
         try:
             self.mapping = PoolMapping.open(self.pool, mo.pmem)
@@ -159,6 +160,7 @@ class Mounted:
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._signals, nursery.cancel_scope)
+            await nursery.start(control.serve, self.control_path, self.describe)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
 
