@@ -127,3 +127,29 @@ def test_demo_runs_and_stops_cleanly(work_dir: Path) -> None:
     assert "Ctrl-C" in out and "stopped" in out
     assert not is_mounted(demo / "mnt")
     assert_check_clean(demo / "demo.pool")
+
+
+def test_status_without_xattrs_and_socket_cleanup(work_dir: Path) -> None:
+    from rpmemfs.control import socket_path
+
+    pool, mnt = work_dir / "p.pool", work_dir / "mnt"
+    mnt.mkdir()
+    mkfs(pool, "32M")
+    res = cli("mount", pool, mnt, "-o", "pmem=force,noxattr")
+    assert res.returncode == 0, res.stderr
+    try:
+        _write_fsync(mnt / "f", b"x" * 5000)
+        with pytest.raises(OSError):  # the kernel no longer forwards xattr calls
+            os.setxattr(mnt / "f", "user.k", b"v")
+        st = cli("status", mnt, "--json")
+        assert st.returncode == 0, st.stderr
+        import json
+
+        info = json.loads(st.stdout)
+        assert info["fsync_count"] >= 1 and info["pool"] == str(pool)
+        assert Path(socket_path(str(mnt))).exists()
+    finally:
+        _umount(mnt)
+    assert wait_until(lambda: not Path(socket_path(str(mnt))).exists(), 15)
+    gone = cli("status", mnt)
+    assert gone.returncode != 0 and "not a mount point" in gone.stderr
