@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_bench)
 
+    s = sub.add_parser("target", help="the replica-node daemon (see `rpmemfs target --help`)",
+                       add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+
     s = sub.add_parser("demo", help="a demo mount in DIR; Ctrl-C stops it")
     s.add_argument("dir")
     s.add_argument("--size", default="256M")
@@ -161,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["target"]:
+        # The replica-node daemon parses its own options.
+        from rpmemfs.target import main as target_main
+
+        return target_main(argv[1:])
     if argv[:1] == ["bench"]:
         # The benchmark has its own options; argparse's REMAINDER would refuse "--quick".
         from rpmemfs import bench

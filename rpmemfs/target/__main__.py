@@ -1,0 +1,5 @@
+import sys
+
+from rpmemfs.target.cli import main
+
+sys.exit(main())

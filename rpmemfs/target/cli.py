@@ -1,0 +1,115 @@
+"""``python -m rpmemfs.target`` / ``rpmemfs target``: options, start-up checks, run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from rpmemfs import logs
+from rpmemfs.pmem import PMEM_MODES
+from rpmemfs.target.pools import PoolError, PoolStore
+from rpmemfs.target.server import TargetConfig, serve
+from rpmemfs.transport.address import parse_address
+from rpmemfs.transport.auth import TokenError, read_token_file
+from rpmemfs.units import parse_size
+
+log = logging.getLogger("rpmemfs.target")
+
+DEFAULT_PORT = 7420
+
+
+class StartError(Exception):
+    """The target cannot start as configured; the message says what to change."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rpmemfs target",
+        description="Serve pools under a directory to rpmemfs initiators (the replica-node daemon).",
+    )
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on (port 0: any)")
+    p.add_argument("--pool-dir", required=True, metavar="DIR", help="directory that holds the pools")
+    p.add_argument("--token-file", metavar="F", help="shared token (else: loopback peers only)")
+    p.add_argument(
+        "--persist", choices=("auto", "apm", "gpspm"), default="auto",
+        help="persistence method to advertise; apm declares that placed writes are durable "
+        "(DDIO off) and needs a pmem mapping; auto = gpspm",
+    )
+    p.add_argument("--pmem", choices=PMEM_MODES, default="auto", help="how pools are mapped (as for mount)")
+    p.add_argument("--max-pool-size", default="1T", metavar="SIZE", help="largest pool one may create")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N")
+    p.add_argument("--handshake-timeout", type=float, default=10.0, metavar="S")
+    p.add_argument("--frame-timeout", type=float, default=30.0, metavar="S", help="to finish a started frame")
+    p.add_argument(
+        "--idle-timeout", type=float, default=0.0, metavar="S",
+        help="close connections idle this long (default 0: never; TCP keepalive finds dead peers)",
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
+    try:
+        host, port = parse_address(args.listen, DEFAULT_PORT)
+        max_pool = parse_size(args.max_pool_size)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+    for name in ("frame_timeout", "handshake_timeout"):
+        if getattr(args, name) <= 0:
+            raise StartError(f"--{name.replace('_', '-')} must be positive")
+    if args.idle_timeout < 0:
+        raise StartError("--idle-timeout must be 0 (never) or positive")
+    pool_dir = os.path.realpath(args.pool_dir)
+    if not os.path.isdir(pool_dir):
+        raise StartError(f"pool directory {args.pool_dir} does not exist or is not a directory")
+    token = None
+    if args.token_file:
+        try:
+            token = read_token_file(args.token_file)
+        except TokenError as exc:
+            raise StartError(str(exc)) from None
+    store = PoolStore(pool_dir, args.pmem, max_pool)
+    try:
+        kind = store.probe_kind()
+    except PoolError as exc:
+        raise StartError(str(exc)) from None
+    method = "gpspm" if args.persist == "auto" else args.persist
+    if method == "apm" and kind not in ("dax", "force"):
+        raise StartError(
+            f"--persist apm declares that placed writes are persistent, but pools in {pool_dir} map "
+            f"as {kind!r}, not persistent memory: use a DAX file system or --pmem force, or "
+            "--persist gpspm"
+        )
+    config = TargetConfig(
+        host=host, port=port, pool_dir=pool_dir, token=token, method=method, pmem_mode=args.pmem,
+        pmem_kind=kind, max_pool_size=max_pool, max_connections=args.max_connections,
+        handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
+        idle_timeout=args.idle_timeout or math.inf,
+    )
+    return config, store
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level)
+    try:
+        config, store = configure(args)
+    except StartError as exc:
+        print(f"rpmemfs: {exc}", file=sys.stderr)
+        return 2
+    if config.token is None:
+        log.warning("no --token-file: serving loopback peers only, without authentication of who they are")
+    try:
+        trio.run(serve, config, store)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        raise
+    return 0

@@ -1,0 +1,95 @@
+"""Control requests (JSON in SEND payloads): create, open, close, remove, stats, info.
+
+Not the hot path. A refused request gets a clean ``{"ok": false, "error": ...}`` reply and the
+connection stays up: bad input in a request is not a framing violation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from rpmemfs.target.names import PoolNameError, check_name
+from rpmemfs.target.pools import PoolError, PoolStore
+from rpmemfs.target.sessions import Region, SessionTable, TargetSession
+
+log = logging.getLogger("rpmemfs.target.control")
+
+
+class ControlService:
+    def __init__(self, store: PoolStore, sessions: SessionTable, method: str, info: dict[str, Any]) -> None:
+        self._store = store
+        self._sessions = sessions
+        self._method = method
+        self.info = info
+
+    async def handle(self, session: TargetSession, request: object) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            return {"ok": False, "error": "control request must be a JSON object", "code": "request"}
+        op = request.get("op")
+        try:
+            if op == "create":
+                return await self._create(session, request)
+            if op == "open":
+                return self._open(session, request)
+            if op == "close":
+                return self._close(session, request)
+            if op == "remove":
+                return self._remove(session, request)
+            if op == "stats":
+                name = request.get("name")
+                return {"ok": True, "pools": self._store.stats(None if name is None else check_name(name))}
+            if op == "info":
+                return {"ok": True, **self.info}
+        except PoolNameError as exc:
+            log.warning("peer %s: refused pool name: %s", session.peer, exc)
+            return {"ok": False, "error": str(exc), "code": "bad-name"}
+        except PoolError as exc:
+            log.warning("peer %s: %s refused: %s", session.peer, op, exc)
+            return {"ok": False, "error": str(exc), "code": exc.code}
+        except OSError as exc:
+            log.error("peer %s: %s failed: %s", session.peer, op, exc)
+            return {"ok": False, "error": f"{op} failed on the target: {exc.strerror or exc}", "code": "io"}
+        return {"ok": False, "error": f"unknown control op {str(op)[:40]!r}", "code": "request"}
+
+    def _describe(self, region: Region) -> dict[str, Any]:
+        uuid = region.pool.uuid
+        return {
+            "ok": True,
+            "name": region.pool.name,
+            "key": region.key,
+            "size": region.size,
+            "uuid": uuid.hex() if uuid else None,
+            "method": self._method,
+            "pmem": region.pool.mapping.kind,
+        }
+
+    async def _create(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        name = check_name(request.get("name"))
+        # fallocate of a large pool takes a while; the other connections are served meanwhile.
+        await trio.to_thread.run_sync(self._store.create_file, name, request.get("size"))
+        return self._open(session, request)
+
+    def _open(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        name = check_name(request.get("name"))
+        pool = self._store.open(name)
+        if self._method == "apm" and not pool.mapping.is_pmem:
+            self._store.release(pool)
+            raise PoolError(
+                f"pool {name!r} maps as {pool.mapping.kind!r}, which cannot honour the appliance "
+                "method this target advertises",
+                "method",
+            )
+        return self._describe(session.register(pool))
+
+    def _close(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        key = request.get("key")
+        if not isinstance(key, int) or self._sessions.unregister(session, key) is None:
+            raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
+        return {"ok": True}
+
+    def _remove(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        self._store.remove(check_name(request.get("name")))
+        return {"ok": True}

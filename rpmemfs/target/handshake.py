@@ -1,0 +1,100 @@
+"""The target's side of the handshake: version, mutual proof of the token, session binding."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import trio
+
+from rpmemfs.target.sessions import SessionTable, TargetSession
+from rpmemfs.transport import auth
+from rpmemfs.transport.sockio import SockIO
+from rpmemfs.transport.stream import FrameReader, send_all
+from rpmemfs.transport.wire import (
+    F_CLOSE,
+    HELLO_SIZE,
+    NONCE_SIZE,
+    PROOF_SIZE,
+    Code,
+    Frame,
+    Hello,
+    Op,
+    Role,
+    WireError,
+    error_text,
+    pack_header,
+)
+
+log = logging.getLogger("rpmemfs.target.handshake")
+
+REFUSE_SEND_TIMEOUT = 1.0
+
+
+class HandshakeRefused(Exception):
+    def __init__(self, code: Code, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+async def refuse(sock: SockIO, code: Code, reason: str) -> None:
+    """Tell the peer why, if it still listens; the caller closes the connection."""
+    text = error_text(reason)
+    with trio.move_on_after(REFUSE_SEND_TIMEOUT):
+        try:
+            await send_all(sock, [pack_header(Op.ERROR, F_CLOSE, 0, 0, len(text), 0, code), text])
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+async def accept(
+    sock: SockIO,
+    reader: FrameReader,
+    peer: str,
+    token: bytes,
+    sessions: SessionTable,
+    info: dict[str, Any],
+) -> tuple[Role, TargetSession]:
+    """Run the handshake (under the caller's deadline); HandshakeRefused says why it failed.
+
+    The peer has been told the reason when this raises HandshakeRefused.
+    """
+    try:
+        await reader.fill(HELLO_SIZE)
+        hello = Hello.unpack(reader.take(HELLO_SIZE))
+        server_nonce = auth.nonce()
+        proof = auth.target_proof(token, hello.nonce, server_nonce)
+        challenge = Frame(Op.CHALLENGE, length=NONCE_SIZE + PROOF_SIZE).pack()
+        await send_all(sock, [challenge, server_nonce + proof])
+        frame = await reader.header()
+        if frame.op != Op.AUTH or frame.length != PROOF_SIZE:
+            got = Op(frame.op).name
+            raise WireError(Code.BAD_HELLO, f"expected AUTH with a {PROOF_SIZE}-byte proof, got {got}")
+        await reader.fill(PROOF_SIZE)
+        answer = bytes(reader.take(PROOF_SIZE))
+    except WireError as exc:
+        await refuse(sock, exc.code, exc.reason)
+        raise HandshakeRefused(exc.code, exc.reason) from None
+    if not auth.same(answer, auth.initiator_proof(token, hello.nonce, server_nonce)):
+        reason = "authentication failed: the initiator does not hold this target's token"
+        await refuse(sock, Code.AUTH_FAILED, reason)
+        raise HandshakeRefused(Code.AUTH_FAILED, reason)
+    if hello.role == Role.LANE:
+        found = sessions.get(hello.session_id)
+        if found is None:
+            reason = "the lane names no live session (its control connection has closed)"
+            await refuse(sock, Code.BAD_SESSION, reason)
+            raise HandshakeRefused(Code.BAD_SESSION, reason)
+        session = found
+    else:
+        session = sessions.new(peer)
+    payload = session.id + json.dumps(info).encode()
+    try:
+        await send_all(sock, [Frame(Op.OK, length=len(payload)).pack(), payload])
+    except BaseException:
+        if hello.role == Role.CONTROL:
+            sessions.end(session)
+        raise
+    return Role(hello.role), session

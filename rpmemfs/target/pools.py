@@ -1,0 +1,233 @@
+"""The pools a target serves: files under the pool directory, mapped while any session uses them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rpmemfs.fs.layout import Header, PoolFormatError
+from rpmemfs.pmem import PmemError, PoolMapping
+from rpmemfs.target.names import pool_path
+from rpmemfs.units import human
+
+log = logging.getLogger("rpmemfs.target.pools")
+
+PAGE = 4096
+# msync persists of more than this run in a worker thread, so one initiator's large flush on
+# a slow disk does not stall every other connection; smaller ones are not worth the hop.
+THREAD_PERSIST_MIN = 1 << 20
+
+
+class PoolError(Exception):
+    """A pool operation is refused or failed; the message goes back to the initiator."""
+
+    def __init__(self, message: str, code: str = "pool") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PoolCounters:
+    writes: int = 0
+    bytes: int = 0
+    flushes: int = 0
+    reads: int = 0
+    atomics: int = 0
+    persisted_ranges: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Pool:
+    """One mapped pool file. ``users`` counts tasks inside an await with a view of the mapping;
+    the mapping is unmapped only when no region refers to it and no task is using it."""
+
+    def __init__(self, name: str, path: str, mapping: PoolMapping, counters: PoolCounters) -> None:
+        self.name = name
+        self.path = path
+        self.mapping = mapping
+        self.buf = mapping.buf
+        self.size = mapping.size
+        self.counters = counters
+        self.refs = 0
+        self.users = 0
+        self._closing = False
+
+    @property
+    def uuid(self) -> bytes | None:
+        try:
+            return Header.decode(self.buf).uuid
+        except PoolFormatError:
+            return None
+
+    def needs_thread(self, ranges: list[tuple[int, int]]) -> bool:
+        return not self.mapping.is_pmem and sum(length for _, length in ranges) > THREAD_PERSIST_MIN
+
+    def persist(self, ranges: list[tuple[int, int]]) -> None:
+        self.mapping.persist(ranges)
+        self.counters.persisted_ranges += len(ranges)
+
+    def acquire(self) -> None:
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self._closing:
+            self._finish_close()
+
+    def close(self) -> None:
+        self._closing = True
+        if self.users == 0:
+            self._finish_close()
+
+    def _finish_close(self) -> None:
+        try:
+            # fsync writes back what is dirty, whatever the mapping kind, in proportion to
+            # what is dirty rather than to the pool's size.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("pool %s: persisting at close failed: %s", self.name, exc.strerror)
+        self.buf = memoryview(b"")
+        try:
+            self.mapping.close()
+        except BufferError:
+            log.error("pool %s: still referenced at close; left mapped", self.name)
+
+
+class PoolStore:
+    def __init__(self, pool_dir: str, pmem_mode: str, max_pool_size: int) -> None:
+        self.pool_dir = os.path.realpath(pool_dir)
+        self.pmem_mode = pmem_mode
+        self.max_pool_size = max_pool_size
+        self._open: dict[str, Pool] = {}
+        self._counters: dict[str, PoolCounters] = {}
+
+    def probe_kind(self) -> str:
+        """Map a scratch file in the pool directory the way pools will be mapped; its kind."""
+        # A leading dot keeps the probe out of the pool namespace: no pool name starts with one.
+        path = os.path.join(self.pool_dir, f".rpmemfs-probe-{os.getpid()}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, PAGE)
+            finally:
+                os.close(fd)
+            with PoolMapping.open(path, self.pmem_mode) as pm:
+                return pm.kind
+        except OSError as exc:
+            raise PoolError(f"cannot use pool directory {self.pool_dir}: {exc.strerror}") from exc
+        except PmemError as exc:
+            raise PoolError(f"cannot map pools in {self.pool_dir}: {exc}") from exc
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _check_size(self, name: str, size: object) -> int:
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise PoolError("pool size must be an integer number of bytes", "size")
+        if size < PAGE or size % PAGE:
+            raise PoolError(f"pool size {size} must be a positive multiple of {PAGE} bytes", "size")
+        if size > self.max_pool_size:
+            raise PoolError(
+                f"pool size {size} ({human(size)}) exceeds this target's limit of "
+                f"{self.max_pool_size} ({human(self.max_pool_size)})",
+                "size",
+            )
+        free = shutil.disk_usage(self.pool_dir).free
+        if size > free:
+            raise PoolError(
+                f"not enough free space in {self.pool_dir} for pool {name!r}: it needs {size} bytes "
+                f"({human(size)}), {free} ({human(free)}) available",
+                "no-space",
+            )
+        return size
+
+    def create_file(self, name: str, size: object) -> None:
+        """Make a zero-filled pool file of ``size`` bytes (blocking: run it in a thread)."""
+        path = pool_path(self.pool_dir, name, must_exist=False)
+        size = self._check_size(name, size)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            raise PoolError(f"pool {name!r} already exists", "exists") from None
+        except OSError as exc:
+            raise PoolError(f"cannot create pool {name!r}: {exc.strerror}", "io") from exc
+        try:
+            # Reserving every block now makes a full disk fail here, with a message, rather
+            # than as SIGBUS when a write lands on a hole later.
+            os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise PoolError(
+                f"cannot allocate {size} bytes for pool {name!r}: {exc.strerror}", "no-space"
+            ) from exc
+        os.close(fd)
+        log.info("pool %s created (%d bytes)", name, size)
+
+    def open(self, name: str) -> Pool:
+        """The pool, mapped, with one more reference."""
+        pool = self._open.get(name)
+        if pool is None:
+            pool = self._map(name)
+            self._open[name] = pool
+        pool.refs += 1
+        return pool
+
+    def _map(self, name: str) -> Pool:
+        path = pool_path(self.pool_dir, name, must_exist=True)
+        try:
+            mapping = PoolMapping.open(path, self.pmem_mode)
+        except PmemError as exc:
+            raise PoolError(str(exc), "io") from exc
+        # The checks above looked at a path; make sure what got mapped is still that file.
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            mapping.close()
+            raise PoolError(f"pool {name!r} changed while it was being opened", "io")
+        counters = self._counters.setdefault(name, PoolCounters())
+        log.info("pool %s mapped (%d bytes, %s)", name, mapping.size, mapping.kind)
+        return Pool(name, path, mapping, counters)
+
+    def release(self, pool: Pool) -> None:
+        pool.refs -= 1
+        if pool.refs == 0:
+            del self._open[pool.name]
+            pool.close()
+            log.info("pool %s closed", pool.name)
+
+    def remove(self, name: str) -> None:
+        path = pool_path(self.pool_dir, name, must_exist=True)
+        if name in self._open:
+            raise PoolError(f"pool {name!r} is open; close it in every session first", "busy")
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            raise PoolError(f"cannot remove pool {name!r}: {exc.strerror}", "io") from exc
+        self._counters.pop(name, None)
+        log.info("pool %s removed", name)
+
+    def stats(self, name: str | None = None) -> dict[str, Any]:
+        names = [name] if name is not None else sorted(self._counters)
+        return {
+            n: {**self._counters.get(n, PoolCounters()).as_dict(), "open": n in self._open}
+            for n in names
+        }
+
+    def close_all(self) -> None:
+        for pool in list(self._open.values()):
+            pool.refs = 1
+            self.release(pool)

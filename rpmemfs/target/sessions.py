@@ -1,0 +1,74 @@
+"""Sessions on the target: what one initiator registered, and the lanes that joined it.
+
+A session lives as long as its control connection. When that closes, the session's lanes are
+cancelled and its registrations dropped, so a vanished initiator leaves nothing mapped.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import trio
+
+from rpmemfs.target.pools import Pool, PoolStore
+from rpmemfs.transport.wire import SESSION_ID_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    key: int
+    pool: Pool
+    size: int
+
+
+@dataclass
+class TargetSession:
+    id: bytes
+    peer: str
+    regions: dict[int, Region] = field(default_factory=dict)
+    lanes: set[trio.CancelScope] = field(default_factory=set)
+
+    def register(self, pool: Pool) -> Region:
+        # Keys are random so a key seen on one session says nothing about another's.
+        while True:
+            key = secrets.randbits(32)
+            if key and key not in self.regions:
+                break
+        region = Region(key, pool, pool.size)
+        self.regions[key] = region
+        return region
+
+
+class SessionTable:
+    def __init__(self, store: PoolStore) -> None:
+        self._store = store
+        self._sessions: dict[bytes, TargetSession] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def new(self, peer: str) -> TargetSession:
+        while True:
+            sid = secrets.token_bytes(SESSION_ID_SIZE)
+            if sid not in self._sessions and any(sid):
+                break
+        session = TargetSession(sid, peer)
+        self._sessions[sid] = session
+        return session
+
+    def get(self, sid: bytes) -> TargetSession | None:
+        return self._sessions.get(sid)
+
+    def unregister(self, session: TargetSession, key: int) -> Region | None:
+        region = session.regions.pop(key, None)
+        if region is not None:
+            self._store.release(region.pool)
+        return region
+
+    def end(self, session: TargetSession) -> None:
+        self._sessions.pop(session.id, None)
+        for scope in list(session.lanes):
+            scope.cancel()
+        for key in list(session.regions):
+            self.unregister(session, key)

@@ -1,0 +1,187 @@
+"""The one interface every transport implements (TCP now, verbs later), and what it trades in.
+
+The model is RDMA's reliable connection: a session with a target holds registered regions
+(remote pools, each named by a 32-bit key) and several lanes. A lane is one ordered stream,
+like a queue pair: writes are one-sided and unsignaled, and a flush on the same lane (an
+8-byte read for the appliance method, one send with the whole range list for the
+general-purpose method) completes only after every earlier write on that lane is placed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Protocol, Self
+
+BytesLike = bytes | bytearray | memoryview
+Method = Literal["apm", "gpspm"]
+METHODS: tuple[Method, ...] = ("apm", "gpspm")
+DEFAULT_TIMEOUT = 10.0
+
+
+class TransportError(Exception):
+    """An operation with a target failed; ``peer`` and ``reason`` say where and why.
+
+    ``lane_lost`` is True when the connection it happened on is gone (the target closed it
+    after a violation, the peer vanished, or a deadline passed mid-operation); otherwise the
+    error was a clean reply and the session and lane go on working.
+    """
+
+    def __init__(self, peer: str, reason: str, *, code: int | None = None, lane_lost: bool = False) -> None:
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+        self.code = code
+        self.lane_lost = lane_lost
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A pool on a target, registered for one session."""
+
+    name: str
+    key: int
+    size: int
+    uuid: bytes | None  # from the pool header; None while the pool holds no valid header yet
+    method: Method  # how the target makes placed writes durable: the flush to use
+    pmem: str  # the target's mapping kind: "dax", "force" or "msync"
+
+
+@dataclass
+class LaneStats:
+    """What an initiator sent on a lane; the target keeps its own counters per pool."""
+
+    writes: int = 0
+    bytes: int = 0
+    flushes: int = 0
+    reads: int = 0
+    atomics: int = 0
+    sends: int = 0
+    batches: int = 0  # operations handed to the kernel, each as one vectored send
+    sendmsgs: int = 0  # sendmsg calls: more than batches only when the socket buffer filled
+
+
+class Lane(Protocol):
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def stats(self) -> LaneStats: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
+        """Post one-sided writes, all in one vectored send; nothing is awaited from the target."""
+
+    async def flush_read(self, region: RemoteRegion) -> None:
+        """Appliance flush: an 8-byte read answered after every earlier write on this lane is placed."""
+
+    async def flush_send(self, region: RemoteRegion, ranges: Sequence[tuple[int, int]]) -> None:
+        """General-purpose flush: one send with all (offset, length) ranges; returns once persisted."""
+
+    async def barrier(
+        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
+    ) -> None:
+        """The writes and exactly one flush (``method``, else the region's), then wait for it."""
+
+    async def read(self, region: RemoteRegion, offset: int, length: int) -> bytes: ...
+
+    async def atomic_write(self, region: RemoteRegion, offset: int, value: int) -> None:
+        """Store a u64 at an 8-byte aligned offset, ordered like a write (one-sided)."""
+
+    async def send(self, msg: bytes) -> None:
+        """Send a small control message; its reply is what :meth:`recv` returns next."""
+
+    async def recv(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Session(Protocol):
+    # Read-only properties, so an implementation may hold narrower types (list[TcpLane]).
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def info(self) -> Mapping[str, Any]:
+        """What the target said about itself at connect time (method, pmem kind, limits)."""
+
+    @property
+    def lanes(self) -> Sequence[Lane]: ...
+
+    async def open_lane(self) -> Lane: ...
+
+    async def create_pool(self, name: str, size: int) -> RemoteRegion:
+        """Create a zero-filled pool of ``size`` bytes on the target and register it."""
+
+    async def open_pool(self, name: str) -> RemoteRegion: ...
+
+    async def close_pool(self, region: RemoteRegion) -> None: ...
+
+    async def remove_pool(self, name: str) -> None: ...
+
+    async def stats(self, name: str | None = None) -> dict[str, Any]:
+        """The target's counters per pool (writes, bytes, flushes, ...)."""
+
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    async def connect(
+        self, address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
+    ) -> Session: ...
+
+
+async def barrier(
+    lane: Lane, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
+) -> None:
+    """Make ``writes`` durable on the target: one batch of writes and exactly one flush."""
+    await lane.barrier(region, writes, method)
+
+
+def nbytes(data: BytesLike) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
+
+
+def check_range(peer: str, region: RemoteRegion, offset: int, length: int) -> None:
+    """Refuse locally what the target would refuse by closing the lane."""
+    if offset < 0 or length < 0 or offset + length > region.size:
+        raise TransportError(
+            peer, f"range ({offset}, {length}) is outside pool {region.name!r} of {region.size} bytes"
+        )
+
+
+def coalesce(ranges: Iterable[tuple[int, int]], limit: int | None = None) -> list[tuple[int, int]]:
+    """Sorted, merged (offset, length) ranges; at most ``limit`` of them.
+
+    Merging only ever persists more than asked, which is always safe; to meet ``limit`` the
+    smallest gaps are closed first so the extra bytes stay few.
+    """
+    spans = sorted((off, off + length) for off, length in ranges if length > 0)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    if limit is not None and len(merged) > limit:
+        gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+        close = set(gaps[: len(merged) - max(limit, 1)])
+        joined: list[list[int]] = [merged[0]]
+        for i in range(1, len(merged)):
+            if i - 1 in close:
+                joined[-1][1] = merged[i][1]
+            else:
+                joined.append(merged[i])
+        merged = joined
+    return [(start, end - start) for start, end in merged]

@@ -1,0 +1,240 @@
+"""One authenticated TCP connection to a target, initiator side: framing, replies, loss.
+
+Replies come back in request order, tagged with the request's id. Several tasks may share a
+connection: whoever waits for a reply reads frames until its own arrives and leaves the
+others' in a stash. A connection that fails mid-operation (a deadline, a cancellation after
+bytes went out, an ERROR frame that closes it, the peer gone) is *lost*, like a queue pair in
+the error state: every later operation on it raises TransportError with the first reason.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NoReturn
+
+import trio
+
+from rpmemfs.transport import auth
+from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
+from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all
+from rpmemfs.transport.wire import (
+    F_CLOSE,
+    MAX_ERROR_TEXT,
+    MAX_READ,
+    MAX_SEND,
+    NONCE_SIZE,
+    PROOF_SIZE,
+    SESSION_ID_SIZE,
+    VERSION,
+    Code,
+    Frame,
+    Hello,
+    Op,
+    Role,
+    WireError,
+)
+
+SEND_BUFFER = 4 << 20
+_REPLY_LIMITS = {Op.READ_RESP: MAX_READ, Op.SEND_REPLY: MAX_SEND, Op.ERROR: MAX_ERROR_TEXT}
+_NETWORK_ERRORS = (OSError, PeerClosed, WireError, trio.ClosedResourceError, trio.BrokenResourceError)
+
+
+def _error_reason(payload: bytes, code: int) -> str:
+    text = payload.decode("utf-8", "replace") or "no reason given"
+    try:
+        return f"{text} ({Code(code).name.lower()})"
+    except ValueError:
+        return f"{text} (code {code})"
+
+
+class Connection:
+    def __init__(self, io: SockIO, peer: str, timeout: float) -> None:
+        self.io = io
+        self.peer = peer
+        self.timeout = timeout
+        self.reader = FrameReader(io)
+        self._send_lock = trio.Lock()
+        self._recv_lock = trio.Lock()
+        self._stash: dict[int, tuple[Frame, bytes]] = {}
+        self._next_id = 0
+        self._lost: str | None = None
+        self._lost_code: int | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def new_id(self) -> int:
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
+        return self._next_id
+
+    def check(self) -> None:
+        if self._lost is not None:
+            raise TransportError(self.peer, self._lost, code=self._lost_code, lane_lost=True)
+
+    def lose(self, reason: str, code: int | None = None) -> None:
+        if self._lost is None:
+            self._lost = reason
+            self._lost_code = code
+        self.io.close()
+
+    def _fail(self, reason: str, code: int | None = None) -> NoReturn:
+        self.lose(reason, code)
+        self.check()
+        raise AssertionError("unreachable")
+
+    async def _send(self, bufs: list[Buffer]) -> int:
+        # Frames of concurrent senders must not interleave. The lock is taken without a
+        # scheduling round trip when it is free, which is the common case.
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
+            self.check()
+            return await send_all(self.io, bufs)
+        finally:
+            self._send_lock.release()
+
+    async def _await_reply(self, id_: int) -> tuple[Frame, bytes]:
+        if id_ not in self._stash:
+            try:
+                self._recv_lock.acquire_nowait()
+            except trio.WouldBlock:
+                await self._recv_lock.acquire()
+            try:
+                while id_ not in self._stash:
+                    self.check()
+                    await self._read_one()
+            finally:
+                self._recv_lock.release()
+        frame, payload = self._stash.pop(id_)
+        if frame.op == Op.ERROR:
+            raise TransportError(self.peer, _error_reason(payload, frame.imm), code=frame.imm)
+        return frame, payload
+
+    async def post(self, bufs: list[Buffer]) -> int:
+        """Send frames that get no reply, in one vectored send; returns the sendmsg calls made."""
+        self.check()
+        try:
+            with trio.fail_after(self.timeout):
+                return await self._send(bufs)
+        except trio.TooSlowError:
+            self._fail(f"timed out after {self.timeout:g}s sending to the target")
+        except _NETWORK_ERRORS as exc:
+            self.check()
+            self._fail(f"connection lost while sending: {exc}")
+        except trio.Cancelled:
+            # Part of a frame may be on the wire; the stream cannot be trusted to resync.
+            self.lose("an operation was cancelled while sending")
+            raise
+
+    async def call(self, bufs: list[Buffer], id_: int) -> tuple[int, Frame, bytes]:
+        """Send frames and wait for the reply to request ``id_``, under one deadline.
+
+        Returns (sendmsg calls, reply frame, payload). TransportError for an ERROR reply (the
+        lane survives unless the target closed it) or a lost connection.
+        """
+        self.check()
+        try:
+            with trio.fail_after(self.timeout):
+                calls = await self._send(bufs)
+                frame, payload = await self._await_reply(id_)
+        except trio.TooSlowError:
+            self._fail(f"timed out after {self.timeout:g}s waiting for the target")
+        except _NETWORK_ERRORS as exc:
+            self.check()
+            self._fail(f"connection lost: {exc}")
+        except trio.Cancelled:
+            # The request may be out and its reply on the way, with nobody to consume it.
+            self.lose("an operation was cancelled while waiting for the target")
+            raise
+        return calls, frame, payload
+
+    async def reply(self, id_: int) -> tuple[Frame, bytes]:
+        """The reply to a request sent earlier with :meth:`post`."""
+        self.check()
+        try:
+            with trio.fail_after(self.timeout):
+                return await self._await_reply(id_)
+        except trio.TooSlowError:
+            self._fail(f"timed out after {self.timeout:g}s waiting for the target's reply")
+        except _NETWORK_ERRORS as exc:
+            self.check()
+            self._fail(f"connection lost: {exc}")
+        except trio.Cancelled:
+            self.lose("an operation was cancelled while waiting for its reply")
+            raise
+
+    async def _read_one(self) -> None:
+        frame = await self.reader.header()
+        limit = _REPLY_LIMITS.get(Op(frame.op))
+        if limit is None:
+            self._fail(f"target sent an unexpected {Op(frame.op).name} frame")
+        if frame.length > limit:
+            self._fail(f"target sent a {Op(frame.op).name} of {frame.length} bytes (limit {limit})")
+        payload = await self.reader.payload(frame.length)
+        if frame.op == Op.ERROR and frame.flags & F_CLOSE:
+            self._fail("target closed the connection: " + _error_reason(payload, frame.imm), frame.imm)
+        self._stash[frame.id] = (frame, payload)
+
+    async def handshake(self, token: bytes, role: Role, session_id: bytes) -> tuple[bytes, dict[str, Any]]:
+        """Authenticate both ways; returns the session id and what the target says about itself."""
+        client_nonce = auth.nonce()
+        try:
+            with trio.fail_after(self.timeout):
+                await send_all(self.io, [Hello(VERSION, role, client_nonce, session_id).pack()])
+                frame, payload = await self._handshake_frame(Op.CHALLENGE, NONCE_SIZE + PROOF_SIZE)
+                server_nonce, proof = payload[:NONCE_SIZE], payload[NONCE_SIZE:]
+                if not auth.same(proof, auth.target_proof(token, client_nonce, server_nonce)):
+                    # Our own proof is not sent to a peer that could not prove itself.
+                    self._fail(
+                        "the target could not prove it knows the token: it is not the genuine "
+                        "target, or it was given a different token",
+                        Code.AUTH_FAILED,
+                    )
+                answer = auth.initiator_proof(token, client_nonce, server_nonce)
+                await send_all(self.io, [Frame(Op.AUTH, length=PROOF_SIZE).pack(), answer])
+                frame, payload = await self._handshake_frame(Op.OK, MAX_SEND)
+        except trio.TooSlowError:
+            self._fail(f"timed out after {self.timeout:g}s in the handshake")
+        except _NETWORK_ERRORS as exc:
+            self.check()
+            self._fail(f"connection lost in the handshake: {exc}")
+        if len(payload) < SESSION_ID_SIZE:
+            self._fail("target's OK is too short to hold a session id")
+        try:
+            info = json.loads(payload[SESSION_ID_SIZE:] or b"{}")
+        except ValueError:
+            self._fail("target's OK carries no valid JSON")
+        return payload[:SESSION_ID_SIZE], info
+
+    async def _handshake_frame(self, want: Op, limit: int) -> tuple[Frame, bytes]:
+        frame = await self.reader.header()
+        if frame.op == Op.ERROR:
+            payload = await self.reader.payload(min(frame.length, MAX_ERROR_TEXT))
+            self._fail("target refused the connection: " + _error_reason(payload, frame.imm), frame.imm)
+        if frame.op != want or frame.length > limit:
+            self._fail(f"target answered the handshake with {Op(frame.op).name}, expected {want.name}")
+        return frame, await self.reader.payload(frame.length)
+
+
+async def open_connection(
+    host: str, port: int, peer: str, token: bytes, role: Role, session_id: bytes, timeout: float
+) -> tuple[Connection, bytes, dict[str, Any]]:
+    try:
+        with trio.fail_after(timeout):
+            sock = await connect_socket(host, port)
+    except trio.TooSlowError:
+        raise TransportError(peer, f"timed out after {timeout:g}s connecting", lane_lost=True) from None
+    except OSError as exc:
+        raise TransportError(peer, f"cannot connect: {exc.strerror or exc}", lane_lost=True) from None
+    try:
+        tune(sock, send_buffer=SEND_BUFFER)
+        conn = Connection(SockIO(sock), peer, timeout)
+        session, info = await conn.handshake(token, role, session_id)
+    except BaseException:
+        sock.close()
+        raise
+    return conn, session, info

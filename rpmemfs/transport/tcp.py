@@ -1,0 +1,348 @@
+"""The software transport: RDMA RC semantics over TCP, initiator side.
+
+A session is one control connection plus one TCP connection per lane; TCP's ordering is the
+lane's ordering. Every operation builds all of its frames first and hands them to one
+sendmsg, so a barrier (its writes and its flush) leaves in one vectored send, with the
+write payloads taken from the caller's buffers without a copy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import trio
+
+from rpmemfs.transport.address import format_address, parse_address
+from rpmemfs.transport.base import (
+    DEFAULT_TIMEOUT,
+    BytesLike,
+    Lane,
+    LaneStats,
+    Method,
+    RemoteRegion,
+    Session,
+    Transport,
+    TransportError,
+    check_range,
+    coalesce,
+    nbytes,
+)
+from rpmemfs.transport.conn import Connection, open_connection
+from rpmemfs.transport.sockio import Buffer
+from rpmemfs.transport.wire import (
+    ATOMIC_SIZE,
+    F_FLUSH,
+    MAX_CONTROL,
+    MAX_FLUSH_RANGES,
+    MAX_READ,
+    MAX_WRITE,
+    NO_SESSION,
+    Frame,
+    Op,
+    Role,
+    SendKind,
+    encode_flush,
+    pack_header,
+)
+
+FLUSH_READ_SIZE = 8
+
+
+def _bytes_view(data: BytesLike) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class TcpLane:
+    """One ordered stream to the target (see rpmemfs.transport.base.Lane)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self.peer = conn.peer
+        self.stats = LaneStats()
+        self._sent: deque[int] = deque()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.lost
+
+    def _write_frames(
+        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], bufs: list[Buffer]
+    ) -> list[tuple[int, int]]:
+        """Append header + payload per write (split at MAX_WRITE); returns the ranges written."""
+        conn = self._conn
+        ranges: list[tuple[int, int]] = []
+        for off, data in writes:
+            n = nbytes(data)
+            check_range(self.peer, region, off, n)
+            if not n:
+                continue
+            view = _bytes_view(data)
+            for pos in range(0, n, MAX_WRITE):
+                chunk = min(MAX_WRITE, n - pos)
+                bufs.append(pack_header(Op.WRITE, 0, region.key, off + pos, chunk, conn.new_id(), 0))
+                bufs.append(view[pos : pos + chunk] if chunk != n else view)
+            ranges.append((off, n))
+            self.stats.writes += 1
+            self.stats.bytes += n
+        return ranges
+
+    def _flush_read_frame(self, region: RemoteRegion, bufs: list[Buffer]) -> int:
+        if region.size < FLUSH_READ_SIZE:
+            raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")
+        id_ = self._conn.new_id()
+        bufs.append(pack_header(Op.READ, F_FLUSH, region.key, 0, FLUSH_READ_SIZE, id_, 0))
+        return id_
+
+    def _flush_send_frame(
+        self, region: RemoteRegion, ranges: Sequence[tuple[int, int]], bufs: list[Buffer]
+    ) -> int:
+        for off, length in ranges:
+            check_range(self.peer, region, off, length)
+        payload = encode_flush(coalesce(ranges, MAX_FLUSH_RANGES))
+        id_ = self._conn.new_id()
+        bufs.append(pack_header(Op.SEND, 0, region.key, 0, len(payload), id_, SendKind.FLUSH))
+        bufs.append(payload)
+        return id_
+
+    async def _post(self, bufs: list[Buffer]) -> None:
+        self.stats.batches += 1
+        self.stats.sendmsgs += await self._conn.post(bufs)
+
+    async def _call(self, bufs: list[Buffer], id_: int) -> tuple[Frame, bytes]:
+        self.stats.batches += 1
+        calls, frame, payload = await self._conn.call(bufs, id_)
+        self.stats.sendmsgs += calls
+        return frame, payload
+
+    async def post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
+        bufs: list[Buffer] = []
+        self._write_frames(region, writes, bufs)
+        if bufs:
+            await self._post(bufs)
+
+    async def flush_read(self, region: RemoteRegion) -> None:
+        bufs: list[Buffer] = []
+        await self._call(bufs, self._flush_read_frame(region, bufs))
+        self.stats.flushes += 1
+
+    async def flush_send(self, region: RemoteRegion, ranges: Sequence[tuple[int, int]]) -> None:
+        bufs: list[Buffer] = []
+        await self._call(bufs, self._flush_send_frame(region, ranges, bufs))
+        self.stats.flushes += 1
+
+    async def barrier(
+        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
+    ) -> None:
+        method = method or region.method
+        if method not in ("apm", "gpspm"):
+            raise ValueError(f"unknown persistence method {method!r}")
+        bufs: list[Buffer] = []
+        ranges = self._write_frames(region, writes, bufs)
+        if method == "apm":
+            id_ = self._flush_read_frame(region, bufs)
+        else:
+            id_ = self._flush_send_frame(region, ranges, bufs)
+        await self._call(bufs, id_)
+        self.stats.flushes += 1
+
+    async def read(self, region: RemoteRegion, offset: int, length: int) -> bytes:
+        check_range(self.peer, region, offset, length)
+        bufs: list[Buffer] = []
+        ids: list[tuple[int, int]] = []
+        for pos in range(0, length, MAX_READ):
+            chunk = min(MAX_READ, length - pos)
+            id_ = self._conn.new_id()
+            bufs.append(pack_header(Op.READ, 0, region.key, offset + pos, chunk, id_, 0))
+            ids.append((id_, chunk))
+        if not bufs:
+            return b""
+        # The first reply under the same deadline as the send, the rest one by one.
+        first = await self._call(bufs, ids[0][0])
+        parts: list[bytes] = []
+        for id_, chunk in ids:
+            frame, payload = first if id_ == ids[0][0] else await self._conn.reply(id_)
+            if frame.op != Op.READ_RESP or len(payload) != chunk:
+                self._conn.lose(f"target answered a read of {chunk} bytes with {len(payload)}")
+                self._conn.check()
+            parts.append(payload)
+        self.stats.reads += 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def atomic_write(self, region: RemoteRegion, offset: int, value: int) -> None:
+        check_range(self.peer, region, offset, ATOMIC_SIZE)
+        if offset % ATOMIC_SIZE:
+            raise TransportError(self.peer, f"atomic write offset {offset} is not 8-byte aligned")
+        if not 0 <= value < 1 << 64:
+            raise TransportError(self.peer, f"atomic write value {value} does not fit 64 bits")
+        await self._post([pack_header(Op.ATOMIC_WRITE, 0, region.key, offset, 0, self._conn.new_id(), value)])
+        self.stats.atomics += 1
+
+    async def _send_control(self, msg: bytes) -> int:
+        if len(msg) > MAX_CONTROL:
+            raise TransportError(self.peer, f"message of {len(msg)} bytes exceeds {MAX_CONTROL}")
+        id_ = self._conn.new_id()
+        await self._post([pack_header(Op.SEND, 0, 0, 0, len(msg), id_, SendKind.CONTROL), msg])
+        self.stats.sends += 1
+        return id_
+
+    async def send(self, msg: bytes) -> None:
+        self._sent.append(await self._send_control(msg))
+
+    async def recv(self) -> bytes:
+        if not self._sent:
+            raise TransportError(self.peer, "recv() with no message sent to answer it")
+        _, payload = await self._conn.reply(self._sent.popleft())
+        return payload
+
+    async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A JSON control request and its reply; a refusal raises TransportError (lane intact)."""
+        id_ = await self._send_control(json.dumps(msg).encode())
+        _, payload = await self._conn.reply(id_)
+        try:
+            reply = json.loads(payload)
+        except ValueError:
+            self._conn.lose("target sent a control reply that is not JSON")
+            self._conn.check()
+        if not isinstance(reply, dict):
+            raise TransportError(self.peer, "target sent a control reply that is not an object")
+        if not reply.get("ok"):
+            raise TransportError(self.peer, str(reply.get("error", "request refused")))
+        return reply
+
+    async def aclose(self) -> None:
+        self._conn.lose("lane closed")
+
+
+class TcpSession:
+    """A session with one target: the control connection and its lanes."""
+
+    def __init__(
+        self,
+        control: TcpLane,
+        host: str,
+        port: int,
+        token: bytes,
+        session_id: bytes,
+        info: dict[str, Any],
+        timeout: float,
+    ) -> None:
+        self._control = control
+        self._host = host
+        self._port = port
+        self._token = token
+        self.session_id = session_id
+        self.peer = control.peer
+        self.info = info
+        self.timeout = timeout
+        self.lanes: list[TcpLane] = []
+
+    async def open_lane(self) -> TcpLane:
+        conn, _, _ = await open_connection(
+            self._host, self._port, self.peer, self._token, Role.LANE, self.session_id, self.timeout
+        )
+        lane = TcpLane(conn)
+        self.lanes.append(lane)
+        return lane
+
+    async def control(self, request: dict[str, Any]) -> dict[str, Any]:
+        return await self._control.request(request)
+
+    def _region(self, reply: dict[str, Any]) -> RemoteRegion:
+        method = reply.get("method")
+        if method not in ("apm", "gpspm"):
+            raise TransportError(self.peer, f"target advertises persistence method {method!r}, unknown here")
+        try:
+            uuid = reply.get("uuid")
+            return RemoteRegion(
+                name=str(reply["name"]),
+                key=int(reply["key"]),
+                size=int(reply["size"]),
+                uuid=bytes.fromhex(uuid) if uuid else None,
+                method=method,
+                pmem=str(reply.get("pmem", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(self.peer, f"target described the pool badly: {exc!r}") from None
+
+    async def create_pool(self, name: str, size: int) -> RemoteRegion:
+        return self._region(await self.control({"op": "create", "name": name, "size": size}))
+
+    async def open_pool(self, name: str) -> RemoteRegion:
+        return self._region(await self.control({"op": "open", "name": name}))
+
+    async def close_pool(self, region: RemoteRegion) -> None:
+        await self.control({"op": "close", "key": region.key})
+
+    async def remove_pool(self, name: str) -> None:
+        await self.control({"op": "remove", "name": name})
+
+    async def stats(self, name: str | None = None) -> dict[str, Any]:
+        reply = await self.control({"op": "stats"} if name is None else {"op": "stats", "name": name})
+        pools = reply.get("pools", {})
+        return pools if isinstance(pools, dict) else {}
+
+    async def aclose(self) -> None:
+        # Closing the control connection ends the session: the target drops its lanes and
+        # registrations and persists the pools it closes.
+        for lane in self.lanes:
+            await lane.aclose()
+        await self._control.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with trio.CancelScope(shield=True):
+            await self.aclose()
+
+
+async def connect(
+    address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
+) -> TcpSession:
+    """A session with the target at ``address`` (HOST:PORT) with ``lanes`` lanes open."""
+    try:
+        host, port = parse_address(address)
+    except ValueError as exc:
+        raise TransportError(address, str(exc)) from None
+    peer = format_address(host, port)
+    secret = token or b""
+    conn, session_id, info = await open_connection(
+        host, port, peer, secret, Role.CONTROL, NO_SESSION, timeout
+    )
+    session = TcpSession(TcpLane(conn), host, port, secret, session_id, info, timeout)
+    try:
+        for _ in range(lanes):
+            await session.open_lane()
+    except BaseException:
+        await session.aclose()
+        raise
+    return session
+
+
+class TcpTransport:
+    """The TCP transport as an object, for code that picks a transport at run time."""
+
+    name = "tcp"
+
+    async def connect(
+        self, address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
+    ) -> TcpSession:
+        return await connect(address, token, lanes=lanes, timeout=timeout)
+
+
+if TYPE_CHECKING:
+    # The type checker proves here that this transport implements the one interface.
+    _transport: Transport = TcpTransport()
+
+    def _is_session(s: TcpSession) -> Session:
+        return s
+
+    def _is_lane(lane: TcpLane) -> Lane:
+        return lane

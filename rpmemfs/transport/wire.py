@@ -1,0 +1,195 @@
+"""The rpmemfs wire format, version 1 (described byte by byte in docs/wire.md).
+
+Everything after the 64-byte HELLO travels in frames: a fixed 32-byte little-endian header,
+then ``length`` payload bytes for the ops that carry one. The header never changes size
+within a version, so a receiver always knows how much to read before it knows anything else;
+that is what lets the target's receive loop move into a C thread later without touching the
+initiators.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+VERSION = 1
+HELLO_MAGIC = b"RPMWIRE\x00"
+
+# op u8, flags u8, reserved u16, key u32, offset u64, length u32, id u32, imm u64
+HEADER = struct.Struct("<BBHIQIIQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+
+# magic 8s, version u16, role u8, flags u8, reserved u32, client nonce 32s, session id 16s
+HELLO = struct.Struct("<8sHBBI32s16s")
+HELLO_SIZE = HELLO.size
+assert HELLO_SIZE == 64
+
+NONCE_SIZE = 32
+PROOF_SIZE = 32
+SESSION_ID_SIZE = 16
+NO_SESSION = bytes(SESSION_ID_SIZE)
+
+# Limits a receiver enforces before it reads a payload. WRITE payloads go straight into the
+# mapping, so they can be large; READ replies and SEND payloads are held in memory whole.
+MAX_WRITE = 64 << 20
+MAX_READ = 16 << 20
+MAX_SEND = 4 << 20
+MAX_CONTROL = 64 << 10
+MAX_ERROR_TEXT = 4096
+ATOMIC_SIZE = 8
+
+# A GPSPM flush message: u32 count, then count x (u64 offset, u64 length).
+FLUSH_COUNT = struct.Struct("<I")
+FLUSH_RANGE = struct.Struct("<QQ")
+MAX_FLUSH_RANGES = (MAX_SEND - FLUSH_COUNT.size) // FLUSH_RANGE.size
+
+
+class Op(enum.IntEnum):
+    WRITE = 0x01
+    READ = 0x02
+    READ_RESP = 0x03
+    ATOMIC_WRITE = 0x04
+    SEND = 0x05
+    SEND_REPLY = 0x06
+    ERROR = 0x07
+    CHALLENGE = 0x10
+    AUTH = 0x11
+    OK = 0x12
+
+
+class Role(enum.IntEnum):
+    CONTROL = 1
+    LANE = 2
+
+
+class SendKind(enum.IntEnum):
+    """What a SEND carries; it travels in the frame's imm field."""
+
+    CONTROL = 1
+    FLUSH = 2
+
+
+# Frame flags.
+F_FLUSH = 0x01  # on READ: this read is a barrier's flush (counted by the target)
+F_CLOSE = 0x01  # on ERROR: the sender closes the connection after this frame
+KNOWN_FLAGS = {Op.READ: F_FLUSH, Op.ERROR: F_CLOSE}
+
+
+class Code(enum.IntEnum):
+    """Error codes carried in an ERROR frame's imm field."""
+
+    VERSION = 1
+    BAD_HELLO = 2
+    PEER_REFUSED = 3
+    AUTH_FAILED = 4
+    BAD_FRAME = 5
+    BAD_KEY = 6
+    OUT_OF_BOUNDS = 7
+    TOO_LARGE = 8
+    BAD_SESSION = 9
+    IO = 10
+    MISALIGNED = 11
+    NOT_ALLOWED = 12
+    SHUTDOWN = 13
+
+
+class WireError(Exception):
+    """Bytes that are not a valid frame; the message says what is wrong with them."""
+
+    def __init__(self, code: Code, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    op: int
+    flags: int = 0
+    key: int = 0
+    offset: int = 0
+    length: int = 0
+    id: int = 0
+    imm: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(self.op, self.flags, 0, self.key, self.offset, self.length, self.id, self.imm)
+
+
+def pack_header(op: int, flags: int, key: int, offset: int, length: int, id_: int, imm: int) -> bytes:
+    """One header without building a Frame: the initiator's hot path calls this per write."""
+    return HEADER.pack(op, flags, 0, key, offset, length, id_, imm)
+
+
+def unpack_header(buf: bytes | bytearray | memoryview, pos: int = 0) -> Frame:
+    """Parse and sanity-check a header; anything a well-behaved peer never sends is refused."""
+    op, flags, reserved, key, offset, length, id_, imm = HEADER.unpack_from(buf, pos)
+    try:
+        known = Op(op)
+    except ValueError:
+        raise WireError(Code.BAD_FRAME, f"unknown op 0x{op:02x}") from None
+    if reserved:
+        raise WireError(Code.BAD_FRAME, f"reserved header field is {reserved}, not 0")
+    if flags & ~KNOWN_FLAGS.get(known, 0):
+        raise WireError(Code.BAD_FRAME, f"unknown flags 0x{flags:02x} on {known.name}")
+    return Frame(op, flags, key, offset, length, id_, imm)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    role: int
+    nonce: bytes
+    session_id: bytes
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return HELLO.pack(HELLO_MAGIC, self.version, self.role, self.flags, 0, self.nonce, self.session_id)
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> Hello:
+        magic, version, role, flags, reserved, nonce, session_id = HELLO.unpack_from(raw)
+        if magic != HELLO_MAGIC:
+            raise WireError(Code.BAD_HELLO, f"bad magic {bytes(magic)!r}: not an rpmemfs initiator")
+        if version != VERSION:
+            raise WireError(
+                Code.VERSION, f"initiator speaks wire version {version}; this target speaks {VERSION}"
+            )
+        if role not in (Role.CONTROL, Role.LANE):
+            raise WireError(Code.BAD_HELLO, f"unknown role {role}")
+        if flags or reserved:
+            raise WireError(Code.BAD_HELLO, "reserved HELLO fields are not zero")
+        if role == Role.LANE and session_id == NO_SESSION:
+            raise WireError(Code.BAD_HELLO, "a lane HELLO must name its session")
+        return cls(version, role, bytes(nonce), bytes(session_id), flags)
+
+
+def encode_flush(ranges: list[tuple[int, int]]) -> bytes:
+    if len(ranges) > MAX_FLUSH_RANGES:
+        raise ValueError(f"{len(ranges)} ranges do not fit one flush message (max {MAX_FLUSH_RANGES})")
+    out = bytearray(FLUSH_COUNT.size + FLUSH_RANGE.size * len(ranges))
+    FLUSH_COUNT.pack_into(out, 0, len(ranges))
+    pos = FLUSH_COUNT.size
+    for off, length in ranges:
+        FLUSH_RANGE.pack_into(out, pos, off, length)
+        pos += FLUSH_RANGE.size
+    return bytes(out)
+
+
+def decode_flush(payload: bytes | bytearray | memoryview) -> list[tuple[int, int]]:
+    if len(payload) < FLUSH_COUNT.size:
+        raise WireError(Code.BAD_FRAME, "flush message shorter than its count")
+    (count,) = FLUSH_COUNT.unpack_from(payload)
+    if len(payload) != FLUSH_COUNT.size + count * FLUSH_RANGE.size:
+        raise WireError(
+            Code.BAD_FRAME,
+            f"flush message of {len(payload)} bytes does not hold the {count} ranges it claims",
+        )
+    return list(FLUSH_RANGE.iter_unpack(memoryview(payload)[FLUSH_COUNT.size :]))
+
+
+def error_text(reason: str) -> bytes:
+    """An ERROR payload: UTF-8, cut to the limit a receiver accepts."""
+    return reason.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
