@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
 from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
 from rpmemfs.fs.inode import Inode
@@ -78,6 +79,9 @@ class Operations(pyfuse3.Operations):
         # before every write (FUSE clears SB_NOSEC; libfuse 3.14 cannot request
         # HANDLE_KILLPRIV_V2), which saves one round trip per write.
         self.xattrs = xattrs
+        # Set by the replication layer: places the barrier's ranges on the replicas.
+        self.replicate: Callable[[list[tuple[int, int]]], Awaitable[None]] | None = None
+        self._barrier_lock = trio.Lock()
         self.stats = Stats()
         self.describe = describe
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
@@ -109,9 +113,25 @@ class Operations(pyfuse3.Operations):
         return self.entry(node)
 
     async def durable(self) -> None:
-        """A durability point, timed for status."""
+        """A durability point, timed for status: local persist, then the replicas."""
         t0 = time.perf_counter_ns()
-        self.fs.sync()
+        if self.replicate is None:
+            self.fs.sync()
+        else:
+            # One barrier at a time, so they complete in log order: a later barrier's
+            # records are useless on a replica that misses an earlier one.
+            async with self._barrier_lock:
+                b = self.fs.begin_barrier()
+                if b.ranges:
+                    try:
+                        await self.replicate(b.ranges)
+                    except Exception as e:
+                        # Local data is durable; replicas get these ranges with the next
+                        # barrier, and blocks freed meanwhile stay unused until then.
+                        self.fs.for_replicas[:0] = b.ranges
+                        log.error("replication barrier failed: %s", e)
+                        raise FsError(errno.EIO) from None
+                self.fs.end_barrier(b)
         self.stats.fsyncs += 1
         self.stats.latencies.append(time.perf_counter_ns() - t0)
 

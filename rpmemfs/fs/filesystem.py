@@ -15,6 +15,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
@@ -91,6 +92,15 @@ def read_header(buf: memoryview) -> tuple[Header, list[str]]:
     return hdr, problems
 
 
+@dataclass
+class Barrier:
+    """One durability point, as the replication layer sees it."""
+
+    ranges: Ranges  # pool ranges to place on each replica, in this order
+    seq: int  # last log record covered
+    tail: int  # log position after it
+
+
 class Filesystem:
     def __init__(self, buf: memoryview, hdr: Header, found: LogScan, index: Index,
                  persister: Persister) -> None:
@@ -111,6 +121,10 @@ class Filesystem:
         # layers (replication) that still have to carry them.
         self.nt_data: Ranges = []
         self.copy_nt: Callable[[int, memoryview], None] | None = None
+        # Set when replicas follow this pool: ranges persisted locally outside a barrier
+        # (checkpoints) are kept, in order, for the next barrier to carry.
+        self.replicated = False
+        self.for_replicas: Ranges = []
         self.pending_bytes = 0  # log bytes the dirty inodes will need
         self.fsyncs = 0
         self.meta_full = False
@@ -247,20 +261,47 @@ class Filesystem:
 
     # ---------------------------------------------------------------- durability
 
-    def sync(self) -> None:
-        """A durability point: everything changed so far is durable when this returns."""
+    def begin_barrier(self) -> Barrier:
+        """Make every change so far durable locally; say what replicas still need.
+
+        Local durability happens here, synchronously: data, fence, then the log records.
+        The returned ranges are in the order a replica must place them (what earlier
+        local-only writes left for it, then data, then the log), and the barrier is
+        complete, for freeing blocks, only when end_barrier() is called with it.
+        """
         self._commit([])
         data = _coalesce(self.dirty_data)
         self.dirty_data = []
-        tail, seq = self.log.tail, self.log.next_seq - 1
+        seq = self.log.next_seq - 1
+        tail = self.log.tail
         staged = self.log.take_staged()
         if staged:
             self.persister.persist_then_store(data, staged[0], staged[1])
         elif data:
             self.persister.persist(data)
+        ranges: Ranges = []
+        if self.replicated:
+            ranges = self.for_replicas + _coalesce(self.nt_data) + data
+            if staged:
+                ranges.append((staged[0], len(staged[1])))
+            self.for_replicas = []
         self.nt_data = []
-        self.log.mark_durable(tail, seq)
-        self.alloc.durable(seq)
+        return Barrier(ranges, seq, tail)
+
+    def end_barrier(self, barrier: Barrier) -> None:
+        """Everything the barrier covers is durable wherever the policy requires."""
+        self.log.mark_durable(barrier.tail, barrier.seq)
+        self.alloc.durable(barrier.seq)
+
+    def sync(self) -> None:
+        """A local durability point (no replicas to wait for)."""
+        self.end_barrier(self.begin_barrier())
+
+    def _persist_local(self, ranges: Ranges) -> None:
+        """Persist pool ranges written outside a barrier; replicas get them, in order, next."""
+        self.persister.persist(ranges)
+        if self.replicated:
+            self.for_replicas.extend(ranges)
 
     def checkpoint(self) -> None:
         """Snapshot the whole index into the other log area and switch to it."""
@@ -268,16 +309,18 @@ class Filesystem:
         data = _coalesce(self.dirty_data)
         self.dirty_data = []
         if data:
-            self.persister.persist(data)
+            self._persist_local(data)
         try:
-            self.log.checkpoint(self._snapshot_payloads(), self.persister.persist)
+            self.log.checkpoint(self._snapshot_payloads(), self._persist_local)
         except LogFull:
             self.meta_full = True
             log.warning("metadata snapshot does not fit a log area; refusing new inodes")
             return
-        # Nothing in the snapshot refers to blocks freed before it, logged or not.
+        # Nothing in the snapshot refers to blocks freed before it, logged or not. With
+        # replicas they wait for the barrier that carries the snapshot to them.
         self.alloc.logged(self.log.durable_seq)
-        self.alloc.durable(self.log.durable_seq)
+        if not self.replicated:
+            self.alloc.durable(self.log.durable_seq)
         self.meta_full = self.log.snap_bytes > SNAPSHOT_LIMIT * self.log.capacity
         log.info("checkpoint %d: %d bytes of snapshot", self.log.gen, self.log.snap_bytes)
 
