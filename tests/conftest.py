@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
@@ -20,6 +22,12 @@ from helpers import (  # noqa: E402
     mkfs,
     mounts_under,
 )
+
+# A test that takes longer than this is hung (the slowest takes ~15 s). The watchdog records
+# what the daemons were doing, then SIGKILLs them: that aborts the FUSE connection, so a test
+# stuck in a syscall on the mount gets ENOTCONN and fails with the diagnosis instead of
+# hanging where pytest-timeout's signal cannot reach it.
+WATCHDOG_SECONDS = 180.0
 
 MakePool = Callable[..., Path]
 MountPool = Callable[..., Mount]
@@ -64,12 +72,48 @@ def make_pool(work_dir: Path) -> MakePool:
     return _make
 
 
+def _proc_state(pid: int) -> str:
+    lines = [f"pid {pid}:"]
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text()
+            stack = (task / "stack").read_text().strip().replace("\n", " | ")
+        except OSError as exc:
+            lines.append(f"  task {task.name}: {exc}")
+            continue
+        lines.append(f"  task {task.name} state {state} wchan {wchan} stack: {stack}")
+    return "\n".join(lines)
+
+
+class _Watchdog:
+    def __init__(self, mounts: list[Mount]) -> None:
+        self.mounts = mounts
+        self.report = ""
+        self.timer = threading.Timer(WATCHDOG_SECONDS, self.fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def fire(self) -> None:
+        parts = [f"test still running after {WATCHDOG_SECONDS:.0f} s; killing its daemons"]
+        parts.append("test process " + _proc_state(os.getpid()))
+        for m in self.mounts:
+            if m.proc is not None and m.proc.poll() is None:
+                parts.append(f"daemon for {m.path} " + _proc_state(m.proc.pid))
+                parts.append(f"daemon output:\n{m.output()[-3000:]}")
+        self.report = "\n".join(parts)
+        for m in self.mounts:
+            if m.proc is not None and m.proc.poll() is None:
+                m.proc.kill()
+
+
 @pytest.fixture
 def mount_pool(work_dir: Path, request: pytest.FixtureRequest) -> Iterator[MountPool]:
     """mount_pool(pool, name=None, options="pmem=force", start=True) -> a running Mount.
 
     At teardown every mount is stopped. If the test passed, a daemon still running must
-    unmount cleanly (exit 0, no traceback) and `rpmemfs check` must find the pool clean."""
+    unmount cleanly (exit 0) and `rpmemfs check` must find the pool clean; and no daemon
+    run of the test may have logged a Python traceback (an internal error behind an EIO)."""
     mounts: list[Mount] = []
 
     def _mount(
@@ -82,9 +126,13 @@ def mount_pool(work_dir: Path, request: pytest.FixtureRequest) -> Iterator[Mount
             m.start()
         return m
 
+    dog = _Watchdog(mounts)
     yield _mount
+    dog.timer.cancel()
 
     problems: list[str] = []
+    if dog.report:
+        problems.append(dog.report)
     strict = _passed(request)
     for m in mounts:
         if strict and m.running:
@@ -97,6 +145,8 @@ def mount_pool(work_dir: Path, request: pytest.FixtureRequest) -> Iterator[Mount
                 if res.returncode != 0:
                     problems.append(f"pool not clean after the test:\n{describe(res)}")
         m.cleanup()
+        if strict:
+            problems += [f"traceback in daemon output:\n{t}" for t in m.internal_errors()]
     if problems:
         pytest.fail("\n\n".join(problems))
 

@@ -166,6 +166,7 @@ class Mount:
         self.options = options
         self.proc: subprocess.Popen[bytes] | None = None
         self.log: Path | None = None
+        self.logs: list[Path] = []
         self.starts = 0
         self.path.mkdir(parents=True, exist_ok=True)
 
@@ -186,11 +187,21 @@ class Mount:
             return ""
         return self.log.read_text(errors="replace")
 
+    def internal_errors(self) -> list[str]:
+        """Daemon runs (current and earlier) whose output shows a Python traceback."""
+        bad = []
+        for log in self.logs:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if "Traceback" in text:
+                bad.append(f"--- {log.name} ---\n{text[-6000:]}")
+        return bad
+
     def _spawn(self) -> subprocess.Popen[bytes]:
         assert not self.running, "daemon already running"
         assert not is_mounted(self.path), f"{self.path} is already a mount point"
         self.starts += 1
         self.log = self.log_dir / f"{self.path.name}-daemon{self.starts}.log"
+        self.logs.append(self.log)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log

@@ -99,13 +99,11 @@ def test_mkfs_refuses_too_small(work_dir: Path) -> None:
         assert not pool.exists(), f"mkfs --size {size} left a file behind"
 
 
-@pytest.mark.parametrize("size", ["abc", "12Q", "-5M", "", "M", "1.2.3G"])
+@pytest.mark.parametrize("size", ["abc", "12Q", "-5M", "", "M", "1.2.3G", "4M5", "0"])
 def test_mkfs_refuses_bad_size(work_dir: Path, size: str) -> None:
     pool = work_dir / "p.img"
-    res = cli("mkfs", pool, "--size", size)
-    assert res.returncode != 0, describe(res)
-    assert "Traceback" not in res.stderr, describe(res)
-    assert res.stderr.strip(), describe(res)
+    res = cli("mkfs", pool, f"--size={size}")
+    assert_clean_error(res, r"size", one_line=True)
     assert not pool.exists()
 
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import (  # noqa: E402
@@ -232,6 +234,59 @@ def worker_stream(root: Path, journal_path: Path) -> None:
         os.fsync(fd)
         j.log({"ack": ver})
 
+NPARENTS = 4
+NDIRS = 5
+
+
+def worker_dirs(root: Path, journal_path: Path, seed: int) -> None:
+    """Directories moved between parents, subdirectories made and removed, all fsynced."""
+    rng = random.Random(seed)
+    j = Journal(journal_path)
+    j.log({"ready": True})
+    seq = 1
+    j.log({"seq": seq, "op": "setup"})
+    for p in range(NPARENTS):
+        os.mkdir(root / f"p{p}")
+    for i in range(NDIRS):
+        os.mkdir(root / "p0" / f"m{i}")
+        (root / "p0" / f"m{i}" / "id").write_bytes(f"m{i}".encode())
+        fsync_path(root / "p0" / f"m{i}" / "id")
+        fsync_path(root / "p0" / f"m{i}")
+    for p in range(NPARENTS):
+        fsync_path(root / f"p{p}")
+    fsync_path(root)
+    j.log({"ack": seq})
+    where = dict.fromkeys(range(NDIRS), 0)
+    subs: dict[int, set[str]] = {i: set() for i in range(NDIRS)}
+    pfds = [os.open(root / f"p{p}", os.O_RDONLY | os.O_DIRECTORY) for p in range(NPARENTS)]
+    deadline = time.monotonic() + WORKER_MAX_SECONDS
+    while time.monotonic() < deadline:
+        i = rng.randrange(NDIRS)
+        r = rng.random()
+        seq += 1
+        here = root / f"p{where[i]}" / f"m{i}"
+        if r < 0.6:
+            a = where[i]
+            b = rng.choice([p for p in range(NPARENTS) if p != a])
+            j.log({"seq": seq, "op": "mvdir", "dir": i, "from": a, "to": b})
+            os.rename(here, root / f"p{b}" / f"m{i}")
+            os.fsync(pfds[a])
+            os.fsync(pfds[b])
+            where[i] = b
+        elif (r < 0.8 or not subs[i]) and len(subs[i]) < 8:
+            name = f"s{seq}"
+            j.log({"seq": seq, "op": "mkdir", "dir": i, "name": name})
+            os.mkdir(here / name)
+            fsync_path(here)
+            subs[i].add(name)
+        else:
+            name = rng.choice(sorted(subs[i]))
+            j.log({"seq": seq, "op": "rmdir", "dir": i, "name": name})
+            os.rmdir(here / name)
+            fsync_path(here)
+            subs[i].discard(name)
+        j.log({"ack": seq})
+
 
 def worker_main(argv: list[str]) -> int:
     mode, root, journal = argv[0], Path(argv[1]), Path(argv[2])
@@ -242,6 +297,8 @@ def worker_main(argv: list[str]) -> int:
             worker_small(root, journal, int(argv[3]))
         elif mode == "stream":
             worker_stream(root, journal)
+        elif mode == "dirs":
+            worker_dirs(root, journal, int(argv[3]))
         else:
             raise SystemExit(f"unknown mode {mode}")
     except OSError as exc:
@@ -527,6 +584,59 @@ def verify_small_round(root: Path, journal: Path) -> list[str]:
     return errors
 
 
+def verify_dirs_round(root: Path, journal: Path) -> list[str]:
+    ops, acked = load_journal(journal)
+    assert acked >= 1, "setup was not acknowledged"
+    where = dict.fromkeys(range(NDIRS), 0)
+    subs: dict[int, set[str]] = {i: set() for i in range(NDIRS)}
+    pend: Op | None = None
+    for o in ops:
+        if o["seq"] > acked:
+            pend = o
+            break
+        if o["op"] == "mvdir":
+            where[o["dir"]] = o["to"]
+        elif o["op"] == "mkdir":
+            subs[o["dir"]].add(o["name"])
+        elif o["op"] == "rmdir":
+            subs[o["dir"]].discard(o["name"])
+    errors: list[str] = []
+    parents = [f"p{p}" for p in range(NPARENTS)]
+    if sorted(os.listdir(root)) != parents:
+        errors.append(f"{root.name}: top level is {sorted(os.listdir(root))}")
+        return errors
+    listing = {p: set(os.listdir(root / f"p{p}")) for p in range(NPARENTS)}
+    for p in range(NPARENTS):
+        nl = os.stat(root / f"p{p}").st_nlink
+        if nl != 2 + len(listing[p]):
+            errors.append(f"p{p}: st_nlink {nl} with {len(listing[p])} subdirectories")
+    for i in range(NDIRS):
+        locs = [p for p in range(NPARENTS) if f"m{i}" in listing[p]]
+        allowed = [[where[i]]]
+        if pend is not None and pend["op"] == "mvdir" and pend["dir"] == i:
+            allowed.append([pend["to"]])
+        if locs not in allowed:
+            errors.append(f"m{i}: found in parents {locs}, expected one of {allowed}")
+            continue
+        d = root / f"p{locs[0]}" / f"m{i}"
+        if (d / "id").read_bytes() != f"m{i}".encode():
+            errors.append(f"m{i}: id file damaged")
+        if os.stat(d / "..").st_ino != os.stat(root / f"p{locs[0]}").st_ino:
+            errors.append(f"m{i}: '..' does not point at its parent p{locs[0]}")
+        seen = set(os.listdir(d)) - {"id"}
+        ok = [subs[i]]
+        if pend is not None and pend.get("dir") == i and pend["op"] == "mkdir":
+            ok.append(subs[i] | {pend["name"]})
+        if pend is not None and pend.get("dir") == i and pend["op"] == "rmdir":
+            ok.append(subs[i] - {pend["name"]})
+        if seen not in ok:
+            errors.append(f"m{i}: subdirectories {sorted(seen)}, expected one of {ok}")
+        nl = os.stat(d).st_nlink
+        if nl != 2 + len(seen):
+            errors.append(f"m{i}: st_nlink {nl} with {len(seen)} subdirectories")
+    return errors
+
+
 def crash_seed() -> int:
     env = os.environ.get("RPMEMFS_CRASH_SEED")
     seed = int(env) if env else random.SystemRandom().randrange(1 << 32)
@@ -562,7 +672,9 @@ def run_rounds(
                 worker.kill()
                 worker.wait()
         total_acked += load_journal(journal)[1]
-        verify = verify_files_round if mode == "files" else verify_small_round
+        verify = {
+            "files": verify_files_round, "small": verify_small_round, "dirs": verify_dirs_round,
+        }[mode]
         errors = verify(d, journal)
         assert not errors, f"{context}:\n" + "\n".join(errors[:20])
         for prev, snap in settled.items():
@@ -576,11 +688,14 @@ def run_rounds(
 # ========================================================================== the tests
 
 
+@pytest.mark.parametrize(
+    "options", ["pmem=force", "pmem=force,writeback_cache", "pmem=msync"]
+)
 def test_crash_random_workload(
-    make_pool: MakePool, mount_pool: MountPool, work_dir: Path
+    make_pool: MakePool, mount_pool: MountPool, work_dir: Path, options: str
 ) -> None:
     seed = crash_seed()
-    m = mount_pool(make_pool("64M"))
+    m = mount_pool(make_pool("64M"), options=options)
     acked = run_rounds(m, work_dir, "files", ROUNDS, seed)
     assert acked > 0
     m.unmount()
@@ -594,6 +709,17 @@ def test_crash_small_files_and_renames(
     # a small pool has small log areas: checkpoints happen during the workload
     m = mount_pool(make_pool("16M"))
     acked = run_rounds(m, work_dir, "small", ROUNDS, seed)
+    assert acked > 0
+    m.unmount()
+    assert_check_clean(m.pool)
+
+
+def test_crash_directory_renames(
+    make_pool: MakePool, mount_pool: MountPool, work_dir: Path
+) -> None:
+    seed = crash_seed()
+    m = mount_pool(make_pool("16M"))
+    acked = run_rounds(m, work_dir, "dirs", ROUNDS, seed)
     assert acked > 0
     m.unmount()
     assert_check_clean(m.pool)
@@ -653,9 +779,12 @@ def test_crash_never_exposes_deleted_file_data(
     assert_check_clean(m.pool)
 
 
-def test_sync_points_survive_kill9(make_pool: MakePool, mount_pool: MountPool) -> None:
+@pytest.mark.parametrize("options", ["pmem=force", "pmem=force,writeback_cache"])
+def test_sync_points_survive_kill9(
+    make_pool: MakePool, mount_pool: MountPool, options: str
+) -> None:
     """fsync, fdatasync, msync(MS_SYNC) and fsync of the directory are durability points."""
-    m = mount_pool(make_pool("32M"))
+    m = mount_pool(make_pool("32M"), options=options)
     r = m.path
     os.mkdir(r / "dir")
     fd = os.open(r / "dir" / "fsynced", os.O_CREAT | os.O_WRONLY, 0o640)

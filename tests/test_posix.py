@@ -255,6 +255,8 @@ def test_large_directory_listing(mnt: Mount) -> None:
     for n in names[:700]:
         os.unlink(d / n)
     assert sorted(os.listdir(d)) == names[700:]
+    mnt.remount()
+    assert sorted(os.listdir(d)) == names[700:]
 
 
 def test_dir_link_counts(mnt: Mount) -> None:
@@ -271,6 +273,7 @@ def test_dir_link_counts(mnt: Mount) -> None:
     assert os.stat(root / "d" / ".").st_ino == os.stat(root / "d").st_ino
     assert os.stat(root / "d" / "s1" / "..").st_ino == os.stat(root / "d").st_ino
     os.rename(root / "d" / "s2", root / "s2")  # moving a dir moves its '..'
+    assert os.stat(root / "s2" / "..").st_ino == os.stat(root).st_ino
     assert os.stat(root / "d").st_nlink == 3
     assert os.stat(root).st_nlink == base + 2
     os.rmdir(root / "d" / "s1")
@@ -1128,3 +1131,74 @@ print("ok")
     st = os.stat(r / "pub" / "mydir")
     assert (st.st_uid, st.st_gid) == (4321, 8765)
     assert not (r / "new").exists()
+
+
+def test_writeback_cache_mount_basics(make_pool: MakePool, mount_pool: MountPool) -> None:
+    """With -o writeback_cache the kernel caches writes; the results must be the same."""
+    m = mount_pool(make_pool("32M"), options="pmem=force,writeback_cache")
+    r = m.path
+    expected: dict[str, bytes] = {}
+    fd = os.open(r / "f", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, pattern(10_000, 1), 0)
+        os.pwrite(fd, b"X" * 100, 4090)
+        os.pwrite(fd, b"far", 100_000)
+        os.ftruncate(fd, 50_000)
+        os.ftruncate(fd, 60_000)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    want = bytearray(pattern(10_000, 1))
+    want[4090:4190] = b"X" * 100
+    want += bytes(60_000 - len(want))
+    expected["f"] = bytes(want)
+    with open(r / "log", "ab") as f:
+        f.write(b"one\n")
+    with open(r / "log", "ab") as f:
+        f.write(b"two\n")
+    expected["log"] = b"one\ntwo\n"
+    (r / "mapped").write_bytes(b"\0" * 2 * BLOCK)
+    fd = os.open(r / "mapped", os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 2 * BLOCK) as mm:
+            mm[10:15] = b"MMAP!"
+            mm.flush()
+    finally:
+        os.close(fd)
+    expected["mapped"] = b"\0" * 10 + b"MMAP!" + b"\0" * (2 * BLOCK - 15)
+    big = pattern(3 * MiB, 2)
+    (r / "big").write_bytes(big)
+    expected["big"] = big
+    for name, data in expected.items():
+        assert read_all(r / name) == data, name
+        assert os.stat(r / name).st_size == len(data), name
+    m.remount()
+    for name, data in expected.items():
+        assert read_all(r / name) == data, name
+
+
+def test_huge_sparse_offset(mnt: Mount) -> None:
+    """A write far beyond the pool size makes a sparse file (or fails cleanly with EFBIG);
+    it must not allocate the hole."""
+    p = mnt.path / "huge"
+    free0 = os.statvfs(mnt.path).f_bfree
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        off = 1 << 36  # 64 GiB into a 64 MiB pool
+        try:
+            os.pwrite(fd, b"far away", off)
+        except OSError as exc:
+            assert exc.errno == errno.EFBIG, f"unexpected {exc!r}"
+            return
+        assert os.fstat(fd).st_size == off + 8
+        assert os.pread(fd, 100, off - 92) == b"\0" * 92 + b"far away"
+        assert os.pread(fd, 4096, off // 2) == b"\0" * 4096
+        os.fsync(fd)
+        assert os.statvfs(mnt.path).f_bfree >= free0 - 16
+        os.ftruncate(fd, 10)
+        assert os.fstat(fd).st_size == 10
+        assert os.pread(fd, 100, 0) == b"\0" * 10
+    finally:
+        os.close(fd)
+    mnt.remount()
+    assert os.stat(p).st_size == 10
