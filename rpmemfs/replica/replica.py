@@ -1,0 +1,133 @@
+"""One replica: its session, lanes and registered pool, its state, and its counters.
+
+The state machine is small on purpose for now: "connecting" until the pool is open and
+checked, then "in-sync" until anything goes wrong, then "failed" for good. Resync and rejoin
+come later; until then a failed replica is simply left out of every barrier.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import trio
+
+from rpmemfs.replica.spec import ReplicaSpec
+from rpmemfs.transport.base import BytesLike, Lane, Method, RemoteRegion, Session, TransportError
+
+State = Literal["in-sync", "failed", "connecting"]
+
+
+class Replica:
+    """A replica pool on a target, as the initiator sees it."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self.session: Session | None = None
+        self.lanes: list[Lane] = []
+        self.region: RemoteRegion | None = None
+        self.state: State = "connecting"
+        self.method: Method | None = None
+        self.barriers = 0
+        self.writes = 0
+        self.flushes = 0
+        self.bytes = 0
+        self.last_error: str | None = None
+        self._free: deque[Lane] = deque()
+        self._slots = trio.Semaphore(0)
+
+    def attach(self, session: Session, region: RemoteRegion) -> None:
+        """Take the session's lanes for barriers; the replica is in sync from now on."""
+        self.session = session
+        self.region = region
+        self.method = region.method
+        self.lanes = list(session.lanes)
+        self._free = deque(self.lanes)
+        self._slots = trio.Semaphore(len(self.lanes))
+        self.state = "in-sync" if self.lanes else "failed"
+        if not self.lanes:
+            self.last_error = f"replica {self.spec}: the session has no lanes"
+
+    def fail(self, reason: str) -> None:
+        # The first error is the cause; later ones are usually its echoes on other lanes.
+        if self.state != "failed":
+            self.state = "failed"
+            self.last_error = reason if reason.startswith("replica ") else f"replica {self.spec}: {reason}"
+
+    @asynccontextmanager
+    async def lane(self) -> AsyncIterator[Lane]:
+        """Borrow a lane nobody else is using; waits for one while all are busy.
+
+        The least recently used lane comes first, so that sequential barriers take turns and
+        every lane's connection is known to work before concurrency needs it.
+        """
+        async with self._slots:
+            lane = self._free.popleft()
+            try:
+                yield lane
+            finally:
+                self._free.append(lane)
+
+    async def barrier(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int, timeout: float) -> bool:
+        """One batch of writes and one flush on a free lane; False (and failed) on any error.
+
+        True only if the replica is still in sync afterwards: when a concurrent barrier on
+        another lane failed meanwhile, this one's bytes are on the target but the replica as
+        a whole is stale, so it cannot count as an acknowledgement.
+        """
+        if self.state != "in-sync" or self.region is None:
+            return False
+        in_flight = False
+        try:
+            with trio.fail_after(timeout):
+                async with self.lane() as lane:
+                    if self.state != "in-sync":
+                        return False
+                    in_flight = True
+                    await lane.barrier(self.region, writes, self.method)
+                    in_flight = False
+        except TransportError as exc:
+            self.fail(str(exc))
+            return False
+        except trio.TooSlowError:
+            self.fail(f"barrier not acknowledged within {timeout:g}s")
+            return False
+        except trio.Cancelled:
+            # Cancelled mid-send, the lane's stream may hold half a frame: never reuse it.
+            if in_flight:
+                self.fail("barrier cancelled while in flight; the lane's state is unknown")
+            raise
+        self.barriers += 1
+        self.writes += len(writes)
+        self.flushes += 1
+        self.bytes += nbytes
+        return self.state == "in-sync"
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "address": self.spec.address,
+            "name": self.spec.name,
+            "state": self.state,
+            "method": self.method,
+            "lanes": len(self.lanes),
+            "barriers": self.barriers,
+            "writes": self.writes,
+            "flushes": self.flushes,
+            "bytes": self.bytes,
+            "last_error": self.last_error,
+        }
+
+    async def aclose(self, timeout: float) -> None:
+        """Close the session; a dead or slow target cannot hold this up past ``timeout``."""
+        session, self.session = self.session, None
+        self.lanes, self._free = [], deque()
+        if session is None:
+            return
+        with trio.move_on_after(timeout) as scope:
+            scope.shield = True
+            try:
+                await session.aclose()
+            except (TransportError, OSError):
+                pass  # the session is gone either way
