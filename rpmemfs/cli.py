@@ -33,19 +33,52 @@ def _progress(label: str):  # type: ignore[no-untyped-def]
     return show
 
 
-def cmd_mkfs(args: argparse.Namespace) -> int:
-    from rpmemfs.fs.mkfs import MkfsError, mkfs
+def _token(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    from rpmemfs.transport.auth import TokenError, read_token_file
 
     try:
-        size = parse_size(args.size)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+        return read_token_file(path)
+    except (TokenError, OSError) as e:
+        raise CliError(f"token file {path}: {e}") from None
+
+
+def cmd_mkfs(args: argparse.Namespace) -> int:
+    from rpmemfs.fs.mkfs import MkfsError, mkfs
+    from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
+
+    pool, size_text, specs = args.pool, args.size, []
     try:
-        hdr = mkfs(args.pool, size, force=args.force, progress=_progress("mkfs"))
+        for text in args.replica or []:
+            specs.append(ReplicaSpec.parse(text))
+        if os.path.isfile(pool) and is_poolset(pool):
+            ps = read_poolset(pool)
+            if size_text is not None and parse_size(size_text) != ps.size:
+                raise CliError(f"--size {size_text} disagrees with the pool set's {ps.size} bytes")
+            pool, size, specs = ps.path, ps.size, ps.replicas + specs
+        elif size_text is None:
+            raise CliError("--size is required (or give a pool-set file)")
+        else:
+            size = parse_size(size_text)
+    except (ValueError, PoolSetError) as e:
+        raise CliError(str(e)) from None
+    token = _token(args.token_file)
+    try:
+        hdr = mkfs(pool, size, force=args.force, progress=_progress("mkfs"))
     except MkfsError as e:
         raise CliError(str(e)) from None
-    print(f"created pool {args.pool}: {human(hdr.pool_size)}, uuid {hdr.uuid_str}, "
-          f"{hdr.data_blocks} data blocks, log areas of {human(hdr.area_size)}")
+    if specs:
+        from rpmemfs.replica.provision import ProvisionError, create_replicas, record_replicas
+
+        record_replicas(pool, specs, args.token_file)
+        try:
+            create_replicas(pool, size, specs, token)
+        except ProvisionError as e:
+            raise CliError(f"pool {pool} is made, but not all replicas: {e}") from None
+    print(f"created pool {pool}: {human(hdr.pool_size)}, uuid {hdr.uuid_str}, "
+          f"{hdr.data_blocks} data blocks, log areas of {human(hdr.area_size)}"
+          + "".join(f"\n  replica {s}" for s in specs))
     return 0
 
 
@@ -125,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("mkfs", help="make a pool file")
     s.add_argument("pool")
-    s.add_argument("--size", required=True, help="pool size, e.g. 64M, 4G")
+    s.add_argument("--size", help="pool size, e.g. 64M, 4G (a pool-set file gives its own)")
     s.add_argument("--force", action="store_true", help="overwrite an existing file")
+    s.add_argument("--replica", action="append", metavar="HOST:PORT/NAME",
+                   help="make a replica pool NAME on the target daemon at HOST:PORT")
+    s.add_argument("--token-file", help="shared token for the target daemons")
     s.set_defaults(func=cmd_mkfs)
 
     s = sub.add_parser("mount", help="mount a pool")

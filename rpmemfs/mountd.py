@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,10 @@ from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fs.layout import BLOCK, PoolFormatError
 from rpmemfs.fuse import Operations
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
+from rpmemfs.replica import ReplicaSet
+from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
+from rpmemfs.replica.table import inspect_table
+from rpmemfs.transport.auth import TokenError, read_token_file
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -37,6 +42,9 @@ class MountOptions:
     log_level: str = "warning"
     log_file: str | None = None
     xattrs: bool = True
+    min_replicas: int | None = None  # None: all recorded replicas
+    replica_timeout: float = 10.0
+    token_file: str | None = None
     writeback_cache: bool = False
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     extra: list[str] = field(default_factory=list)
@@ -67,8 +75,19 @@ def parse_options(opts: list[str]) -> MountOptions:
                 mo.xattrs = False
             elif key == "allow_other":
                 mo.allow_other = True
-            elif key in ("min_replicas", "replica_timeout"):
-                raise MountError(f"option {key} needs replication, which this build lacks")
+            elif key == "min_replicas":
+                if not value.isdigit():
+                    raise MountError(f"min_replicas= needs a number, not {value!r}")
+                mo.min_replicas = int(value)
+            elif key == "replica_timeout":
+                try:
+                    mo.replica_timeout = float(value)
+                except ValueError:
+                    raise MountError(f"replica_timeout= needs seconds, not {value!r}") from None
+                if not 0 < mo.replica_timeout <= 3600:
+                    raise MountError("replica_timeout= must be between 0 and 3600 seconds")
+            elif key == "token_file":
+                mo.token_file = value
             else:
                 raise MountError(f"unknown mount option {opt!r}")
     return mo
@@ -78,9 +97,16 @@ class Mounted:
     """A pool opened and served at a mountpoint."""
 
     def __init__(self, pool: str, mountpoint: str, mo: MountOptions) -> None:
+        self.mo = mo
+        poolset_specs: list[ReplicaSpec] | None = None
+        if os.path.isfile(pool) and is_poolset(pool):
+            try:
+                ps = read_poolset(pool)
+            except PoolSetError as e:
+                raise MountError(str(e)) from None
+            pool, poolset_specs = ps.path, ps.replicas
         self.pool = os.path.abspath(pool)
         self.mountpoint = os.path.abspath(mountpoint)
-        self.mo = mo
         if not os.path.exists(self.pool):
             raise MountError(f"pool {pool} does not exist")
         if not os.path.isdir(self.mountpoint):
@@ -107,6 +133,18 @@ class Mounted:
             raise MountError(f"cannot mount {pool}: {failure}")
         if self.mapping.is_pmem:
             self.fs.copy_nt = self.mapping.write_nt
+        table = inspect_table(self.mapping.buf)
+        if table.problem:
+            log.warning("replica table: %s", table.problem)
+        self.specs = poolset_specs if poolset_specs is not None else table.replicas
+        self.token_file = mo.token_file or table.token_file
+        self.min_replicas = len(self.specs) if mo.min_replicas is None else mo.min_replicas
+        if self.min_replicas > len(self.specs):
+            self.mapping.close()
+            raise MountError(f"min_replicas={self.min_replicas} but the pool has only "
+                             f"{len(self.specs)} replicas")
+        self.replicas: ReplicaSet | None = None
+        self._mounted = False
         self.open_seconds = time.perf_counter() - t0
         self.ops = Operations(self.fs, self.describe, xattrs=mo.xattrs)
         self.ops.enable_writeback_cache = mo.writeback_cache
@@ -134,7 +172,10 @@ class Mounted:
                        "seconds": round(fs.replay_stats[2], 4)},
             "open_seconds": round(self.open_seconds, 4),
             "pid": os.getpid(),
-            "replicas": [],
+            "min_replicas": self.min_replicas,
+            "replicas": self.replicas.status() if self.replicas else [
+                {"address": s.address, "name": s.name, "state": "not connected"}
+                for s in self.specs],
         }
 
     def fuse_options(self) -> set[str]:
@@ -148,8 +189,8 @@ class Mounted:
         try:
             pyfuse3.init(self.ops, self.mountpoint, self.fuse_options())
         except RuntimeError as e:
-            self.mapping.close()
             raise MountError(f"FUSE mount at {self.mountpoint} failed: {e}") from None
+        self._mounted = True
         # Page faults on first stores into a fresh pool cost as much as the copy itself;
         # taking them in the background keeps the mount itself quick for big pools.
         self._populated = threading.Event()
@@ -157,12 +198,56 @@ class Mounted:
                                            name="populate", daemon=True)
         self._populator.start()
 
-    async def serve(self) -> None:
+    async def connect_replicas(self) -> None:
+        """Open every recorded replica; MountError when fewer than min_replicas are usable."""
+        if not self.specs:
+            return
+        try:
+            token = read_token_file(self.token_file) if self.token_file else None
+        except (TokenError, OSError) as e:
+            raise MountError(f"token file {self.token_file}: {e}") from None
+        rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
+                                   timeout=self.mo.replica_timeout, min_replicas=self.min_replicas)
+        usable = len(rs.in_sync)
+        if usable < self.min_replicas:
+            why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"
+                            for r in rs.status() if r["state"] != "in-sync")
+            await rs.aclose()
+            raise MountError(f"{usable} of {len(self.specs)} replicas usable, min_replicas="
+                             f"{self.min_replicas}: {why}")
+        if usable == 0:
+            log.warning("mounting %s alone: no replica is reachable (min_replicas=0)", self.pool)
+            await rs.aclose()
+            return
+        for r in rs.status():
+            if r["state"] != "in-sync":
+                log.error("replica %s/%s left out: %s", r["address"], r["name"], r["last_error"])
+        self.replicas = rs
+        self.fs.replicated = True
+        self.ops.replicate = rs.barrier
+
+    async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
+        await self.connect_replicas()
+        self.start()
+        ready()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._signals, nursery.cancel_scope)
             await nursery.start(control.serve, self.control_path, self.describe)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
+        await self._last_barrier()
+
+    async def _last_barrier(self) -> None:
+        """Unmounted: make everything durable everywhere, with a checkpoint if the log is long."""
+        try:
+            await self.ops.durable()
+            if self.fs.log.used > self.fs.log.capacity // 4:
+                self.fs.checkpoint()
+                await self.ops.durable()
+        except Exception as e:
+            log.error("final durability point failed: %s", e)
+        if self.replicas is not None:
+            await self.replicas.aclose()
 
     async def _signals(self, scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -172,13 +257,18 @@ class Mounted:
                 return
 
     def finish(self) -> None:
-        self._populated.set()  # stop the populate thread before the mapping goes away
-        self._populator.join()
+        if self._mounted:
+            self._populated.set()  # stop the populate thread before the mapping goes away
+            self._populator.join()
         try:
-            self.fs.close()
+            self.fs.sync()  # local only: replicas were served by _last_barrier, if at all
         finally:
-            pyfuse3.close(unmount=True)
-            self.mapping.close()
+            if self._mounted:
+                pyfuse3.close(unmount=True)
+            try:
+                self.mapping.close()
+            except BufferError:
+                pass  # a view survived a failure; the process exits and unmaps anyway
 
 
 def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
@@ -186,7 +276,6 @@ def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
     if foreground:
         logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
         m = Mounted(pool, mountpoint, mo)
-        m.start()
         try:
             trio.run(m.serve)
         finally:
@@ -214,18 +303,22 @@ def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
         logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
         try:
             m = Mounted(pool, mountpoint, mo)
-            m.start()
         except MountError as e:
             os.write(wfd, str(e).encode())
             os._exit(1)
-        os.write(wfd, b"ok")
-        os.close(wfd)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1) if mo.log_file else (0, 1, 2):
-            os.dup2(devnull, fd)
+
+        def ready() -> None:
+            os.write(wfd, b"ok")
+            os.close(wfd)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1) if mo.log_file else (0, 1, 2):
+                os.dup2(devnull, fd)
+
         try:
-            trio.run(m.serve)
+            trio.run(m.serve, ready)
             code = 0
+        except MountError as e:
+            os.write(wfd, str(e).encode())
         finally:
             m.finish()
     finally:

@@ -1,0 +1,174 @@
+"""End to end: a pool replicated to two real target daemons, through a real FUSE mount."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import MountPool
+from helpers import (
+    assert_check_clean,
+    cli,
+    diff_snapshots,
+    fsync_tree,
+    make_tree,
+    snapshot,
+)
+
+from rpmemfs.target.spawn import TargetProcess
+
+
+@pytest.fixture
+def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
+    """Two target daemons on loopback: one declares the appliance method, one general purpose."""
+    procs = []
+    for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
+        d = work_dir / f"target{i}"
+        d.mkdir()
+        t = TargetProcess(d, log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
+        t.start()
+        procs.append(t)
+    yield procs
+    for t in procs:
+        t.close()
+
+
+def _replica_file(t: TargetProcess, name: str) -> Path:
+    return Path(t.argv[t.argv.index("--pool-dir") + 1]) / name
+
+
+def _mkfs_replicated(pool: Path, targets: list[TargetProcess], name: str = "app") -> None:
+    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", "64M"]
+    for t in targets:
+        args += ["--replica", f"{t.address}/{name}"]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+
+
+def _status(mnt: Path) -> dict:  # type: ignore[type-arg]
+    res = cli("status", mnt, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_fsync_reaches_every_replica(work_dir: Path, targets: list[TargetProcess],
+                                     mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs_replicated(pool, targets)
+    m = mount_pool(pool)
+    make_tree(m.path, random.Random(3), nfiles=30, max_size=150_000)
+    fsync_tree(m.path)
+    st = _status(m.path)
+    assert [r["state"] for r in st["replicas"]] == ["in-sync", "in-sync"]
+    assert {r["method"] for r in st["replicas"]} == {"apm", "gpspm"}
+    for r in st["replicas"]:
+        assert r["barriers"] >= 1
+        assert r["flushes"] == r["barriers"], r  # exactly one flush per barrier per replica
+    want = snapshot(m.path, meta=False)
+    m.unmount()
+    local = pool.read_bytes()
+    for t in targets:
+        assert _replica_file(t, "app").read_bytes() == local, f"replica on {t.address} differs"
+    # a copy of a replica, mounted on its own, is the same filesystem
+    for t in targets:
+        t.stop()
+    for i, t in enumerate(targets):
+        copy = work_dir / f"copy{i}.pool"
+        shutil.copy(_replica_file(t, "app"), copy)
+        assert_check_clean(copy)
+        alone = mount_pool(copy, name=f"alone{i}", options="pmem=force,min_replicas=0,replica_timeout=2")
+        got = snapshot(alone.path, meta=False)
+        assert got == want, diff_snapshots(want, got)
+        alone.unmount()
+
+
+def test_mount_refuses_unreachable_replicas_unless_allowed(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs_replicated(pool, targets)
+    targets[1].stop()
+    m = mount_pool(pool, options="pmem=force,replica_timeout=2", start=False)
+    err = m.start_expect_failure()
+    assert "1 of 2 replicas usable" in err and targets[1].address in err
+    ok = mount_pool(pool, name="ok", options="pmem=force,min_replicas=1,replica_timeout=2")
+    (ok.path / "f").write_bytes(b"one replica is enough here")
+    fd = os.open(ok.path / "f", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    states = {r["address"]: r["state"] for r in _status(ok.path)["replicas"]}
+    assert states[targets[0].address] == "in-sync" and states[targets[1].address] != "in-sync"
+
+
+def test_replica_with_another_uuid_is_refused(work_dir: Path, targets: list[TargetProcess],
+                                              mount_pool: MountPool) -> None:
+    a, b = work_dir / "a.pool", work_dir / "b.pool"
+    _mkfs_replicated(a, targets[:1], name="a")
+    _mkfs_replicated(b, targets[:1], name="b")
+    poolset = work_dir / "b.set"
+    host, port = targets[0].address.rsplit(":", 1)
+    poolset.write_text(f"PMEMPOOLSET\n64M {b}\nREPLICA {host}:{port} a\n")
+    m = mount_pool(poolset, options="pmem=force,replica_timeout=5", start=False)
+    err = m.start_expect_failure()
+    assert "uuid" in err.lower() and "0 of 1 replicas usable" in err
+
+
+def test_kill9_initiator_every_replica_holds_acknowledged_fsyncs(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs_replicated(pool, targets)
+    m = mount_pool(pool)
+    journal = work_dir / "acked.txt"
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(m.path), str(journal)])
+    time.sleep(random.Random(11).uniform(1.0, 2.5))
+    m.kill9()
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    acked = [line.split() for line in journal.read_text().splitlines() if line.strip()]
+    assert len(acked) > 5, "the workload acknowledged too little to test anything"
+    for t in targets:
+        t.stop()
+    for i, t in enumerate(targets):
+        copy = work_dir / f"copy{i}.pool"
+        shutil.copy(_replica_file(t, "app"), copy)
+        assert_check_clean(copy)
+        alone = mount_pool(copy, name=f"alone{i}", options="pmem=force,min_replicas=0,replica_timeout=2")
+        for name, digest in acked:
+            data = (alone.path / name).read_bytes()
+            assert _digest(data) == digest, f"replica {i}: acknowledged {name} lost or changed"
+        alone.unmount()
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+_WORKER = r"""
+import hashlib, os, random, sys
+mnt, journal = sys.argv[1], sys.argv[2]
+rng = random.Random(7)
+j = os.open(journal, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+i = 0
+while True:
+    name = f"f{i}"
+    data = rng.randbytes(rng.choice([100, 4096, 20000, 200000]))
+    fd = os.open(os.path.join(mnt, name), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    os.write(fd, data)
+    os.fsync(fd)
+    os.close(fd)
+    os.write(j, f"{name} {hashlib.sha256(data).hexdigest()}\n".encode())
+    os.fsync(j)
+    i += 1
+"""
