@@ -1,4 +1,4 @@
-"""`rpmemfs demo DIR`: a pool in DIR mounted at DIR/mnt, until Ctrl-C."""
+"""`rpmemfs demo DIR`: a pool in DIR replicated to two local target daemons, mounted at DIR/mnt."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import time
 
 from rpmemfs.fs.mkfs import mkfs
+from rpmemfs.replica.spec import ReplicaSpec
+from rpmemfs.target.spawn import SpawnError, TargetProcess
 from rpmemfs.units import parse_size
 
 
@@ -28,42 +30,72 @@ def run_demo(directory: str, size: str) -> int:
     pool = os.path.join(directory, "demo.pool")
     mnt = os.path.join(directory, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    if not os.path.exists(pool):
-        mkfs(pool, parse_size(size))
     mode = "force" if _on_tmpfs(directory) else "auto"
-    cmd = [sys.executable, "-m", "rpmemfs.cli", "mount", pool, mnt, "-f", "-o", f"pmem={mode}"]
-    daemon = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 30
-    while not os.path.ismount(mnt):
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            sys.stderr.write("rpmemfs: the demo mount did not come up\n")
-            daemon.kill()
-            return 1
-        time.sleep(0.05)
-    print(f"""
+    targets: list[TargetProcess] = []
+    daemon: subprocess.Popen[bytes] | None = None
+    try:
+        for i in (1, 2):
+            tdir = os.path.join(directory, f"target{i}")
+            os.makedirs(tdir, exist_ok=True)
+            # The first target declares the appliance method (pmem=force on tmpfs), the second
+            # serves general-purpose flushes, so the demo shows both.
+            opts = {"pmem": "force", "persist": "apm"} if i == 1 and mode == "force" else {}
+            t = TargetProcess(tdir, listen=f"127.0.0.1:{7420 + i}", log_level="warning",
+                              log_path=os.path.join(directory, f"target{i}.log"), **opts)
+            targets.append(t)
+            try:
+                t.start()
+            except SpawnError as e:
+                sys.stderr.write(f"rpmemfs: demo target {i} did not start: {e}\n")
+                return 1
+        if not os.path.exists(pool):
+            from rpmemfs.replica.provision import create_replicas, record_replicas
+
+            specs = [ReplicaSpec.parse(f"{t.address}/demo") for t in targets]
+            mkfs(pool, parse_size(size))
+            record_replicas(pool, specs, None)
+            create_replicas(pool, parse_size(size), specs, None)
+        cmd = [sys.executable, "-m", "rpmemfs.cli", "mount", pool, mnt, "-f", "-o", f"pmem={mode}"]
+        daemon = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                sys.stderr.write("rpmemfs: the demo mount did not come up\n")
+                return 1
+            time.sleep(0.05)
+        exe = os.path.join(os.path.dirname(sys.executable), "rpmemfs")
+        print(f"""
 rpmemfs demo is running.
-  pool:   {pool} (pmem={mode})
-  mount:  {mnt}
+  pool:     {pool} (pmem={mode})
+  replicas: {targets[0].address}/demo (pool in {directory}/target1)
+            {targets[1].address}/demo (pool in {directory}/target2)
+  mount:    {mnt}
 
 Try, in another shell:
-  cp -r /usr/share/doc/fuse3 {mnt}/ && ls -l {mnt}/fuse3
+  cp -r /usr/share/doc/fuse3 {mnt}/ && sync {mnt}/fuse3/copyright
   python3 -c "import os; f=os.open('{mnt}/x', os.O_CREAT|os.O_WRONLY); os.write(f, b'hi'); os.fsync(f)"
-  rpmemfs status {mnt}
-Press Ctrl-C here to unmount and stop (the pool stays; run the demo again to remount it).
+  {exe} status {mnt}     # replicas, their method, barriers and flushes
+Press Ctrl-C here to unmount and stop everything (the pools stay; run the demo again to remount).
+Afterwards `cmp {pool} {directory}/target1/demo` shows the replica is the same pool.
 """, flush=True)
-    stop = False
+        stop = False
 
-    def _stop(_sig: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
+        def _stop(_sig: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
 
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    while not stop and daemon.poll() is None:
-        time.sleep(0.2)
-    if daemon.poll() is None:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
-    print("demo stopped; pool unmounted cleanly" if daemon.returncode == 0 else
-          f"mount daemon exited with {daemon.returncode}")
-    return 0 if daemon.returncode == 0 else 1
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
+        while not stop and daemon.poll() is None:
+            time.sleep(0.2)
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+        print("demo stopped; pool unmounted cleanly" if daemon.returncode == 0 else
+              f"mount daemon exited with {daemon.returncode}")
+        return 0 if daemon.returncode == 0 else 1
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            daemon.kill()
+        for t in targets:
+            t.close()

@@ -118,6 +118,11 @@ def test_demo_runs_and_stops_cleanly(work_dir: Path) -> None:
         _write_fsync(demo / "mnt" / "hello", b"demo")
         status = cli("status", demo / "mnt", "--json")
         assert status.returncode == 0, status.stderr
+        import json
+
+        replicas = json.loads(status.stdout)["replicas"]
+        assert [r["state"] for r in replicas] == ["in-sync", "in-sync"], replicas
+        assert all(r["flushes"] == r["barriers"] >= 1 for r in replicas), replicas
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -127,6 +132,8 @@ def test_demo_runs_and_stops_cleanly(work_dir: Path) -> None:
     assert "Ctrl-C" in out and "stopped" in out
     assert not is_mounted(demo / "mnt")
     assert_check_clean(demo / "demo.pool")
+    for i in (1, 2):  # each replica is the same pool, byte for byte, after the clean stop
+        assert (demo / f"target{i}" / "demo").read_bytes() == (demo / "demo.pool").read_bytes()
 
 
 def test_status_without_xattrs_and_socket_cleanup(work_dir: Path) -> None:
