@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import MountPool
 from helpers import (
+    Mount,
     assert_check_clean,
     cli,
     diff_snapshots,
@@ -54,6 +55,14 @@ def _mkfs_replicated(pool: Path, targets: list[TargetProcess], name: str = "app"
     assert res.returncode == 0, res.stderr
 
 
+def _mount_copy_alone(work_dir: Path, t: TargetProcess, i: int, mount_pool: MountPool) -> Mount:
+    """Copy the (stopped) target's replica pool and mount the copy on its own: failover."""
+    copy = work_dir / f"copy{i}.pool"
+    shutil.copy(_replica_file(t, "app"), copy)
+    assert_check_clean(copy)
+    return mount_pool(copy, name=f"alone{i}", options="pmem=force,min_replicas=0,replica_timeout=2")
+
+
 def _status(mnt: Path) -> dict:  # type: ignore[type-arg]
     res = cli("status", mnt, "--json")
     assert res.returncode == 0, res.stderr
@@ -82,10 +91,7 @@ def test_fsync_reaches_every_replica(work_dir: Path, targets: list[TargetProcess
     for t in targets:
         t.stop()
     for i, t in enumerate(targets):
-        copy = work_dir / f"copy{i}.pool"
-        shutil.copy(_replica_file(t, "app"), copy)
-        assert_check_clean(copy)
-        alone = mount_pool(copy, name=f"alone{i}", options="pmem=force,min_replicas=0,replica_timeout=2")
+        alone = _mount_copy_alone(work_dir, t, i, mount_pool)
         got = snapshot(alone.path, meta=False)
         assert got == want, diff_snapshots(want, got)
         alone.unmount()
@@ -139,10 +145,7 @@ def test_kill9_initiator_every_replica_holds_acknowledged_fsyncs(
     for t in targets:
         t.stop()
     for i, t in enumerate(targets):
-        copy = work_dir / f"copy{i}.pool"
-        shutil.copy(_replica_file(t, "app"), copy)
-        assert_check_clean(copy)
-        alone = mount_pool(copy, name=f"alone{i}", options="pmem=force,min_replicas=0,replica_timeout=2")
+        alone = _mount_copy_alone(work_dir, t, i, mount_pool)
         for name, digest in acked:
             data = (alone.path / name).read_bytes()
             assert _digest(data) == digest, f"replica {i}: acknowledged {name} lost or changed"

@@ -10,7 +10,7 @@ block 900"), so replaying a snapshot and then the log yields the same state as t
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rpmemfs.native import crc32c
@@ -150,51 +150,36 @@ def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 <<
     return None
 
 
+# Entries of a fixed size, and entries followed by a tail whose length their fields give.
+_FIXED: dict[int, struct.Struct] = {
+    T_INODE: INODE, T_MAP: MAP, T_TRUNC: TRUNC, T_FREE: FREE, T_NEXTINO: NEXTINO,
+}
+_TAILED: dict[int, tuple[struct.Struct, Callable[[tuple], int]]] = {
+    T_LINK: (LINK, lambda f: f[1]),
+    T_UNLINK: (UNLINK, lambda f: f[1]),
+    T_SYMLINK: (SYMLINK, lambda f: f[1]),
+    T_XSET: (XSET, lambda f: f[1] + f[2]),
+    T_XDEL: (XDEL, lambda f: f[1]),
+}
+
+
 def entries(payload: memoryview) -> Iterator[tuple[int, tuple, bytes]]:
     """Yield (tag, fixed fields, trailing bytes) for each entry of a payload."""
     off = 0
     n = len(payload)
     while off < n:
         tag = payload[off]
-        if tag == T_INODE:
-            yield tag, INODE.unpack_from(payload, off), b""
-            off += INODE.size
-        elif tag == T_MAP:
-            yield tag, MAP.unpack_from(payload, off), b""
-            off += MAP.size
-        elif tag == T_LINK:
-            f = LINK.unpack_from(payload, off)
-            start = off + LINK.size
-            yield tag, f, bytes(payload[start: start + f[1]])
-            off = start + _pad(f[1])
-        elif tag == T_UNLINK:
-            f = UNLINK.unpack_from(payload, off)
-            start = off + UNLINK.size
-            yield tag, f, bytes(payload[start: start + f[1]])
-            off = start + _pad(f[1])
-        elif tag == T_TRUNC:
-            yield tag, TRUNC.unpack_from(payload, off), b""
-            off += TRUNC.size
-        elif tag == T_FREE:
-            yield tag, FREE.unpack_from(payload, off), b""
-            off += FREE.size
-        elif tag == T_SYMLINK:
-            f = SYMLINK.unpack_from(payload, off)
-            start = off + SYMLINK.size
-            yield tag, f, bytes(payload[start: start + f[1]])
-            off = start + _pad(f[1])
-        elif tag == T_XSET:
-            f = XSET.unpack_from(payload, off)
-            start = off + XSET.size
-            yield tag, f, bytes(payload[start: start + f[1] + f[2]])
-            off = start + _pad(f[1] + f[2])
-        elif tag == T_XDEL:
-            f = XDEL.unpack_from(payload, off)
-            start = off + XDEL.size
-            yield tag, f, bytes(payload[start: start + f[1]])
-            off = start + _pad(f[1])
-        elif tag == T_NEXTINO:
-            yield tag, NEXTINO.unpack_from(payload, off), b""
-            off += NEXTINO.size
-        else:
+        fixed = _FIXED.get(tag)
+        if fixed is not None:
+            yield tag, fixed.unpack_from(payload, off), b""
+            off += fixed.size
+            continue
+        tailed = _TAILED.get(tag)
+        if tailed is None:
             raise ValueError(f"unknown entry tag {tag} at payload offset {off}")
+        st, tail_len = tailed
+        f = st.unpack_from(payload, off)
+        start = off + st.size
+        k = tail_len(f)
+        yield tag, f, bytes(payload[start: start + k])
+        off = start + _pad(k)
