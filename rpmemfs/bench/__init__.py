@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--"]:
         # A caller's argparse.REMAINDER keeps the separator that let options through.
         args = args[1:]
+    if "--micro" in args:
+        # The replication microbenchmark has options of its own (--quick among them).
+        from rpmemfs.bench import micro
+
+        _exit_on_sigterm()
+        return micro.main([a for a in args if a != "--micro"])
     try:
         opts = options.parse(args)
     except SystemExit as exc:  # argparse: --help or a usage error

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from rpmemfs.bench.targets import DEFAULT_TARGETS, TARGET_NAMES
+from rpmemfs.bench.targets import DEFAULT_TARGETS, REPLICA_TARGETS, TARGET_NAMES
 from rpmemfs.bench.workloads import WORKLOADS
 
 MOUNT100K = "mount100k"
@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", metavar="NAME[,NAME]",
                    help=f"compare only these targets ({', '.join(TARGET_NAMES)}; default: "
                         f"{', '.join(DEFAULT_TARGETS)})")
+    p.add_argument("--replicas", action="store_true",
+                   help=f"compare 0, 1 and 2 replicas: the targets {', '.join(REPLICA_TARGETS)} "
+                        "(the replicas are target daemons started on loopback)")
+    p.add_argument("--micro", action="store_true",
+                   help="run the replication microbenchmark below FUSE instead "
+                        "(barrier latency per persistence method; see "
+                        "`python -m rpmemfs.bench.micro --help`)")
     p.add_argument("--pool-size", default="1G", metavar="SIZE",
                    help="size of the rpmemfs pool, as `rpmemfs mkfs --size` takes it "
                         "(default: 1G)")
@@ -93,7 +100,11 @@ def parse(argv: list[str]) -> Options:
         parser.error("--only selected nothing to run")
 
     targets = DEFAULT_TARGETS
-    if args.targets is not None:
+    if args.replicas and args.targets is not None:
+        parser.error("--replicas selects the targets itself; drop --targets")
+    if args.replicas:
+        targets = tuple(n for n in TARGET_NAMES if n in REPLICA_TARGETS)
+    elif args.targets is not None:
         wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in TARGET_NAMES]
         if unknown:

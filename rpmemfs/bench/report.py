@@ -14,6 +14,8 @@ from rpmemfs.bench.targets import (
     PASSTHROUGH_XATTR,
     PLAIN,
     RPMEMFS,
+    RPMEMFS_1REP,
+    RPMEMFS_2REP,
     RPMEMFS_NOXATTR,
     RPMEMFS_WBCACHE,
     TARGET_NAMES,
@@ -39,6 +41,8 @@ RATIOS = (
     Ratio(RPMEMFS, PASSTHROUGH_XATTR, "both offer xattrs (GETXATTR before every write)"),
     Ratio(RPMEMFS_NOXATTR, PASSTHROUGH, "neither offers xattrs (no GETXATTR)"),
     Ratio(RPMEMFS_WBCACHE, RPMEMFS, "what the kernel writeback cache changes"),
+    Ratio(RPMEMFS_1REP, RPMEMFS, "what 1 replica costs (rpmemfs alone has 0)"),
+    Ratio(RPMEMFS_2REP, RPMEMFS, "what 2 replicas cost (rpmemfs alone has 0)"),
     Ratio(RPMEMFS, PLAIN, "rpmemfs against the bare backing directory"),
     Ratio(PASSTHROUGH, PLAIN, "what FUSE + Python cost by themselves"),
 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,6 +27,7 @@ from rpmemfs.bench.mounts import (
     stop_daemon,
     wait_until_mounted,
 )
+from rpmemfs.target.spawn import SpawnError, TargetProcess
 
 RPMEMFS = "rpmemfs"
 RPMEMFS_NOXATTR = "rpmemfs-noxattr"
@@ -34,18 +35,34 @@ RPMEMFS_WBCACHE = "rpmemfs-wbcache"
 PASSTHROUGH = "passthrough"
 PASSTHROUGH_XATTR = "passthrough-xattr"
 PLAIN = "plain"
+RPMEMFS_1REP = "rpmemfs-1rep"
+RPMEMFS_2REP = "rpmemfs-2rep"
 
 # Every target, in the order columns are printed.
-TARGET_NAMES = (RPMEMFS, RPMEMFS_NOXATTR, RPMEMFS_WBCACHE, PASSTHROUGH, PASSTHROUGH_XATTR,
-                PLAIN)
+TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP, RPMEMFS_NOXATTR, RPMEMFS_WBCACHE,
+                PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
 # The writeback cache changes what a write means (it returns before the daemon sees
 # the data), so it is not part of the like-for-like comparison and runs on request.
 DEFAULT_TARGETS = (RPMEMFS, RPMEMFS_NOXATTR, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
+# What `--replicas` selects: the cost of replication, 0, 1 and 2 replicas. The replicated
+# targets start their own target daemons on loopback, so they run only when named.
+REPLICA_TARGETS = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP)
+
+# The target daemons of a replicated target, in order: (--pmem, --persist) each, None
+# meaning the daemon's default. The first replica is an appliance-style target (apm: a
+# barrier's flush is an 8-byte read), the second a general-purpose one (gpspm: the flush
+# is a SEND of the range list, persisted by the target).
+REPLICA_DAEMONS: dict[str, tuple[tuple[str | None, str | None], ...]] = {
+    RPMEMFS_1REP: (("force", "apm"),),
+    RPMEMFS_2REP: (("force", "apm"), (None, None)),
+}
 
 RPMEMFS_OPTIONS = {
     RPMEMFS: "pmem=force",
     RPMEMFS_NOXATTR: "pmem=force,noxattr",
     RPMEMFS_WBCACHE: "pmem=force,writeback_cache",
+    RPMEMFS_1REP: "pmem=force",
+    RPMEMFS_2REP: "pmem=force",
 }
 
 TARGET_SUMMARIES = {
@@ -57,6 +74,10 @@ TARGET_SUMMARIES = {
     PASSTHROUGH: "minimal pyfuse3 pass-through (xattr calls answer ENOSYS)",
     PASSTHROUGH_XATTR: "the same pass-through with xattr calls passed to the source files",
     PLAIN: "the backing directory itself, no FUSE",
+    RPMEMFS_1REP: "rpmemfs -o pmem=force with 1 replica: a target daemon on loopback "
+                  "(--pmem force --persist apm)",
+    RPMEMFS_2REP: "rpmemfs -o pmem=force with 2 replicas: target daemons on loopback, "
+                  "one --pmem force --persist apm, one default (gpspm)",
 }
 
 MOUNT_TIMEOUT = 60.0
@@ -76,12 +97,14 @@ def rpmemfs_command(*args: str) -> list[str]:
     return python_module("rpmemfs.cli", *args)
 
 
-def mkfs(pool: Path, size: str) -> None:
-    done = subprocess.run(rpmemfs_command("mkfs", str(pool), "--size", size),
+def mkfs(pool: Path, size: str, replicas: tuple[str, ...] = ()) -> None:
+    extra = [arg for spec in replicas for arg in ("--replica", spec)]
+    done = subprocess.run(rpmemfs_command("mkfs", str(pool), "--size", size, *extra),
                           capture_output=True, env=child_env(), check=False)
     if done.returncode != 0:
         output = (done.stderr or done.stdout).decode(errors="replace").strip()
-        raise MountError(f"rpmemfs mkfs {pool} --size {size} failed "
+        shown = " ".join([str(pool), "--size", size, *extra])
+        raise MountError(f"rpmemfs mkfs {shown} failed "
                          f"(status {done.returncode}):\n  {output}")
 
 
@@ -119,6 +142,36 @@ def rpmemfs_target(name: str, workdir: Path, pool_size: str) -> Iterator[Target]
 
 
 @contextmanager
+def replicated_target(name: str, workdir: Path, pool_size: str) -> Iterator[Target]:
+    """rpmemfs with its replicas on target daemons of its own, all on loopback.
+
+    The daemons' pool directories sit in the work directory, so the replica pools share
+    the backing store with everything else. They are stopped (SIGTERM, then SIGKILL)
+    after the filesystem is unmounted, also when bringing it up fails half-way.
+    """
+    pool = workdir / f"{name}.pool"
+    log = workdir / f"{name}.log"
+    with ExitStack() as stack:
+        specs: list[str] = []
+        for i, (pmem, persist) in enumerate(REPLICA_DAEMONS[name]):
+            pool_dir = workdir / f"{name}-target{i}"
+            pool_dir.mkdir()
+            daemon = TargetProcess(pool_dir, pmem=pmem, persist=persist,
+                                   log_path=workdir / f"{name}-target{i}.log")
+            stack.callback(daemon.close)
+            stack.callback(daemon.stop)
+            try:
+                address = daemon.start()
+            except SpawnError as exc:
+                raise MountError(f"{name}: target daemon {i} did not start: {exc}") from None
+            specs.append(f"{address}/{name}-r{i}")
+        mkfs(pool, pool_size, tuple(specs))
+        with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log,
+                            RPMEMFS_OPTIONS[name]) as mnt:
+            yield Target(mnt, log)
+
+
+@contextmanager
 def passthrough_target(name: str, workdir: Path, pool_size: str) -> Iterator[Target]:
     # A sibling of the pool files, so all sit on the same backing filesystem.
     source = workdir / f"{name}-src"
@@ -145,4 +198,6 @@ TARGETS: dict[str, TargetFactory] = {
     PASSTHROUGH: partial(passthrough_target, PASSTHROUGH),
     PASSTHROUGH_XATTR: partial(passthrough_target, PASSTHROUGH_XATTR),
     PLAIN: plain_target,
+    RPMEMFS_1REP: partial(replicated_target, RPMEMFS_1REP),
+    RPMEMFS_2REP: partial(replicated_target, RPMEMFS_2REP),
 }
