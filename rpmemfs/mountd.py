@@ -22,7 +22,7 @@ from rpmemfs.fuse import Operations
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
 from rpmemfs.replica import ReplicaSet
 from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
-from rpmemfs.replica.table import inspect_table
+from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.transport.auth import TokenError, read_token_file
 
 log = logging.getLogger("rpmemfs.mount")
@@ -138,6 +138,10 @@ class Mounted:
             log.warning("replica table: %s", table.problem)
         self.specs = poolset_specs if poolset_specs is not None else table.replicas
         self.token_file = mo.token_file or table.token_file
+        self.table_token_file = table.token_file
+        # Replicas that missed barriers in an earlier session: never trusted as in sync
+        # again until repaired (resync is still to come), so they are not even connected.
+        self.stale = {s for s in table.stale if s in {str(x) for x in self.specs}}
         self.min_replicas = len(self.specs) if mo.min_replicas is None else mo.min_replicas
         if self.min_replicas > len(self.specs):
             self.mapping.close()
@@ -173,10 +177,19 @@ class Mounted:
             "open_seconds": round(self.open_seconds, 4),
             "pid": os.getpid(),
             "min_replicas": self.min_replicas,
-            "replicas": self.replicas.status() if self.replicas else [
-                {"address": s.address, "name": s.name, "state": "not connected"}
-                for s in self.specs],
+            "replicas": self._replica_status(),
         }
+
+    def _replica_status(self) -> list[dict[str, Any]]:
+        connected = self.replicas.status() if self.replicas else []
+        seen = {f"{r['address']}/{r['name']}" for r in connected}
+        for r in connected:
+            if r["state"] != "in-sync" and f"{r['address']}/{r['name']}" in self.stale:
+                r["state"] = "stale"
+        return connected + [
+            {"address": s.address, "name": s.name,
+             "state": "stale" if str(s) in self.stale else "not connected"}
+            for s in self.specs if str(s) not in seen]
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
@@ -200,31 +213,72 @@ class Mounted:
 
     async def connect_replicas(self) -> None:
         """Open every recorded replica; MountError when fewer than min_replicas are usable."""
+        live = [s for s in self.specs if str(s) not in self.stale]
+        for s in self.stale:
+            log.error("replica %s missed writes in an earlier session; left out until repaired", s)
         if not self.specs:
             return
+        if not live:
+            if self.min_replicas > 0:
+                raise MountError(f"0 of {len(self.specs)} replicas usable, min_replicas="
+                                 f"{self.min_replicas}: all are stale ({', '.join(sorted(self.stale))})")
+            self._mark_stale({str(s) for s in self.specs})
+            return
+        if len(live) < self.min_replicas:
+            raise MountError(f"{len(live)} of {len(self.specs)} replicas usable, min_replicas="
+                             f"{self.min_replicas}: stale: {', '.join(sorted(self.stale))}")
         try:
             token = read_token_file(self.token_file) if self.token_file else None
         except (TokenError, OSError) as e:
             raise MountError(f"token file {self.token_file}: {e}") from None
-        rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
+        rs = await ReplicaSet.open(live, self.mapping.buf, self.fs.hdr.uuid, token,
                                    timeout=self.mo.replica_timeout, min_replicas=self.min_replicas)
         usable = len(rs.in_sync)
         if usable < self.min_replicas:
             why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"
                             for r in rs.status() if r["state"] != "in-sync")
             await rs.aclose()
+            if self.stale:
+                why += "; stale: " + ", ".join(sorted(self.stale))
             raise MountError(f"{usable} of {len(self.specs)} replicas usable, min_replicas="
                              f"{self.min_replicas}: {why}")
         if usable == 0:
             log.warning("mounting %s alone: no replica is reachable (min_replicas=0)", self.pool)
             await rs.aclose()
+            # Writes from now on reach no replica: none may pass for in sync later.
+            self._mark_stale({str(s) for s in self.specs})
             return
         for r in rs.status():
             if r["state"] != "in-sync":
                 log.error("replica %s/%s left out: %s", r["address"], r["name"], r["last_error"])
         self.replicas = rs
         self.fs.replicated = True
-        self.ops.replicate = rs.barrier
+        self.ops.replicate = self._replicate
+        self._note_stale()  # replicas that did not open missed nothing yet, but will
+
+    async def _replicate(self, ranges: list[tuple[int, int]]) -> None:
+        assert self.replicas is not None
+        try:
+            await self.replicas.barrier(ranges)
+        finally:
+            # Before the fsync returns: a replica left behind must be known as such even
+            # if this daemon dies right after.
+            self._note_stale()
+
+    def _note_stale(self) -> None:
+        assert self.replicas is not None
+        self._mark_stale({f"{r['address']}/{r['name']}" for r in self.replicas.status()
+                          if r["state"] != "in-sync"})
+
+    def _mark_stale(self, behind: set[str]) -> None:
+        """Record in the pool that these replicas miss writes from now on."""
+        if behind <= self.stale:
+            return
+        self.stale |= behind
+        log.error("replicas now stale (missed writes): %s", ", ".join(sorted(behind)))
+        ranges = write_table(self.mapping.buf, self.specs, self.table_token_file,
+                             sorted(self.stale))
+        self.fs.persist_outside_barrier(ranges)
 
     async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
         await self.connect_replicas()

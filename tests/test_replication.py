@@ -35,7 +35,7 @@ def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
     for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
         d = work_dir / f"target{i}"
         d.mkdir()
-        t = TargetProcess(d, log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
+        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
         t.start()
         procs.append(t)
     yield procs
@@ -175,3 +175,39 @@ while True:
     os.fsync(j)
     i += 1
 """
+
+
+def test_replica_left_behind_stays_stale_across_remounts(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs_replicated(pool, targets)
+    behind = _replica_file(targets[1], "app")
+    targets[1].stop()
+    m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=2")
+    (m.path / "f").write_bytes(b"written while replica 2 was away")
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    m.unmount()
+    before = behind.read_bytes()
+    # back on its old address, reachable, but it missed the write above
+    again = TargetProcess(behind.parent, listen=targets[1].address, pmem="msync",
+                          log_path=work_dir / "target1-again.log")
+    again.start()
+    targets.append(again)  # the fixture stops it
+    strict = mount_pool(pool, name="strict", options="pmem=force,replica_timeout=5", start=False)
+    err = strict.start_expect_failure()
+    assert "stale" in err and "1 of 2 replicas usable" in err, err
+    lax = mount_pool(pool, name="lax", options="pmem=force,min_replicas=1,replica_timeout=5")
+    states = {r["address"]: r["state"] for r in _status(lax.path)["replicas"]}
+    assert states == {targets[0].address: "in-sync", again.address: "stale"}, states
+    (lax.path / "g").write_bytes(b"more")
+    fd = os.open(lax.path / "g", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    lax.unmount()
+    assert behind.read_bytes() == before, "a stale replica was written to"

@@ -297,6 +297,10 @@ class Filesystem:
         """A local durability point (no replicas to wait for)."""
         self.end_barrier(self.begin_barrier())
 
+    def persist_outside_barrier(self, ranges: Ranges) -> None:
+        """For callers that write pool metadata of their own (the replica table)."""
+        self._persist_local(ranges)
+
     def _persist_local(self, ranges: Ranges) -> None:
         """Persist pool ranges written outside a barrier; replicas get them, in order, next."""
         self.persister.persist(ranges)

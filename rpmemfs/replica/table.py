@@ -49,14 +49,20 @@ class TableRead:
     token_file: str | None = None
     source: str | None = None  # "primary", "backup", or None when neither copy held a table
     problem: str | None = None  # None when the primary copy was good, or both copies blank
+    stale: list[str] = field(default_factory=list)  # "ADDR/NAME" of replicas that missed barriers
 
 
-def encode_table(specs: list[ReplicaSpec], token_file: str | None = None) -> bytes:
-    """One slot's bytes (SLOT_BYTES, zero-padded); TableError when the JSON exceeds 1 KiB."""
-    body = json.dumps(
-        {"replicas": [s.to_json() for s in specs], "token_file": token_file},
-        separators=(",", ":"),
-    ).encode()
+def encode_table(specs: list[ReplicaSpec], token_file: str | None = None,
+                 stale: list[str] | None = None) -> bytes:
+    """One slot's bytes (SLOT_BYTES, zero-padded); TableError when the JSON exceeds 1 KiB.
+
+    `stale` names (as "ADDR/NAME") the replicas that missed barriers: they must not be
+    trusted as in sync again until they are repaired.
+    """
+    doc: dict[str, Any] = {"replicas": [s.to_json() for s in specs], "token_file": token_file}
+    if stale:
+        doc["stale"] = sorted(stale)
+    body = json.dumps(doc, separators=(",", ":")).encode()
     if len(body) > MAX_BODY:
         raise TableError(
             f"replica table of {len(specs)} replicas is {len(body)} bytes of JSON; "
@@ -67,13 +73,14 @@ def encode_table(specs: list[ReplicaSpec], token_file: str | None = None) -> byt
 
 
 def write_table(buf: memoryview | bytearray, specs: list[ReplicaSpec],
-                token_file: str | None = None) -> list[tuple[int, int]]:
+                token_file: str | None = None, stale: list[str] | None = None
+                ) -> list[tuple[int, int]]:
     """Write both copies; returns the (offset, length) ranges written, for the caller to persist.
 
     The backup comes first in the list: persisted in that order, a crash between the two
     leaves either the old primary or the new backup intact, and each reads as a whole table.
     """
-    slot = encode_table(specs, token_file)
+    slot = encode_table(specs, token_file, stale)
     ranges = [(BACKUP_TABLE_OFF, SLOT_BYTES), (PRIMARY_OFF, SLOT_BYTES)]
     for off, length in ranges:
         buf[off : off + length] = slot
@@ -96,9 +103,10 @@ def _decode_slot(raw: bytes) -> TableRead | None | str:
         if token_file is not None and not isinstance(token_file, str):
             return "token_file is not a string"
         specs = [ReplicaSpec.make(str(r["address"]), str(r["name"])) for r in doc["replicas"]]
+        stale = [str(x) for x in doc.get("stale", [])]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"bad contents: {exc}"
-    return TableRead(specs, token_file)
+    return TableRead(specs, token_file, stale=stale)
 
 
 def inspect_table(buf: Buffer) -> TableRead:
