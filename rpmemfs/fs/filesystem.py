@@ -353,12 +353,6 @@ class Filesystem:
         if parts:
             yield b"".join(parts)
 
-    def close(self) -> None:
-        """Make everything durable; checkpoint when the log is long, so the next mount is quick."""
-        self.sync()
-        if self.log.used > self.log.capacity // 4:
-            self.checkpoint()
-
     # ---------------------------------------------------------------- namespace
 
     def lookup(self, parent: int, name: bytes) -> Inode:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import stat
 from collections.abc import Iterable
 
 from rpmemfs.fs import records as R
@@ -90,6 +89,3 @@ class Index:
         """Inodes that no directory names and whose link count is zero (open at a crash)."""
         return [ino for ino, n in self.inodes.items() if n.nlink == 0 and ino != ROOT_INO]
 
-
-def is_dir_mode(mode: int) -> bool:
-    return stat.S_ISDIR(mode)
