@@ -45,7 +45,8 @@ def _token(path: str | None) -> bytes | None:
 
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
-    from rpmemfs.fs.mkfs import MkfsError, mkfs
+    from rpmemfs.fs.mkfs import MkfsError
+    from rpmemfs.replica.provision import ProvisionError, create_pool
     from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
 
     pool, size_text, specs = args.pool, args.size, []
@@ -65,17 +66,12 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     token = _token(args.token_file)
     try:
-        hdr = mkfs(pool, size, force=args.force, progress=_progress("mkfs"))
+        hdr = create_pool(pool, size, specs, token=token, token_file=args.token_file,
+                          force=args.force, progress=_progress("mkfs"))
     except MkfsError as e:
         raise CliError(str(e)) from None
-    if specs:
-        from rpmemfs.replica.provision import ProvisionError, create_replicas, record_replicas
-
-        record_replicas(pool, specs, args.token_file)
-        try:
-            create_replicas(pool, size, specs, token)
-        except ProvisionError as e:
-            raise CliError(f"pool {pool} is made, but not all replicas: {e}") from None
+    except ProvisionError as e:
+        raise CliError(f"pool {pool} is made, but not all replicas: {e}") from None
     print(f"created pool {pool}: {human(hdr.pool_size)}, uuid {hdr.uuid_str}, "
           f"{hdr.data_blocks} data blocks, log areas of {human(hdr.area_size)}"
           + "".join(f"\n  replica {s}" for s in specs))

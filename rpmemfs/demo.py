@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from rpmemfs.fs.mkfs import mkfs
+from rpmemfs.replica.provision import create_pool
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.target.spawn import SpawnError, TargetProcess
 from rpmemfs.units import parse_size
@@ -49,12 +49,8 @@ def run_demo(directory: str, size: str) -> int:
                 sys.stderr.write(f"rpmemfs: demo target {i} did not start: {e}\n")
                 return 1
         if not os.path.exists(pool):
-            from rpmemfs.replica.provision import create_replicas, record_replicas
-
             specs = [ReplicaSpec.parse(f"{t.address}/demo") for t in targets]
-            mkfs(pool, parse_size(size))
-            record_replicas(pool, specs, None)
-            create_replicas(pool, parse_size(size), specs, None)
+            create_pool(pool, parse_size(size), specs)
         cmd = [sys.executable, "-m", "rpmemfs.cli", "mount", pool, mnt, "-f", "-o", f"pmem={mode}"]
         daemon = subprocess.Popen(cmd)
         deadline = time.monotonic() + 30

@@ -327,8 +327,8 @@ class Mounted:
 
 def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
     mo = parse_options(opts)
+    logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
     if foreground:
-        logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
         m = Mounted(pool, mountpoint, mo)
         try:
             trio.run(m.serve)
@@ -354,7 +354,6 @@ def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
     os.setsid()
     code = 1
     try:
-        logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
         try:
             m = Mounted(pool, mountpoint, mo)
         except MountError as e:

@@ -20,6 +20,7 @@ from helpers import (
     assert_check_clean,
     cli,
     diff_snapshots,
+    fsync_path,
     fsync_tree,
     make_tree,
     snapshot,
@@ -107,11 +108,7 @@ def test_mount_refuses_unreachable_replicas_unless_allowed(
     assert "1 of 2 replicas usable" in err and targets[1].address in err
     ok = mount_pool(pool, name="ok", options="pmem=force,min_replicas=1,replica_timeout=2")
     (ok.path / "f").write_bytes(b"one replica is enough here")
-    fd = os.open(ok.path / "f", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(ok.path / "f")
     states = {r["address"]: r["state"] for r in _status(ok.path)["replicas"]}
     assert states[targets[0].address] == "in-sync" and states[targets[1].address] != "in-sync"
 
@@ -185,11 +182,7 @@ def test_replica_left_behind_stays_stale_across_remounts(
     targets[1].stop()
     m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=2")
     (m.path / "f").write_bytes(b"written while replica 2 was away")
-    fd = os.open(m.path / "f", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(m.path / "f")
     m.unmount()
     before = behind.read_bytes()
     # back on its old address, reachable, but it missed the write above
@@ -204,10 +197,6 @@ def test_replica_left_behind_stays_stale_across_remounts(
     states = {r["address"]: r["state"] for r in _status(lax.path)["replicas"]}
     assert states == {targets[0].address: "in-sync", again.address: "stale"}, states
     (lax.path / "g").write_bytes(b"more")
-    fd = os.open(lax.path / "g", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(lax.path / "g")
     lax.unmount()
     assert behind.read_bytes() == before, "a stale replica was written to"

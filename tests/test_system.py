@@ -37,14 +37,18 @@ def _daemon_gone(pool: Path) -> bool:
     return out.returncode != 0
 
 
+def _run_helper(pool: Path, mnt: Path, opts: str) -> subprocess.CompletedProcess[str]:
+    """What mount(8) runs for `mount -t fuse.rpmemfs POOL DIR -o OPTS`."""
+    env = dict(os.environ, RPMEMFS_BIN=RPMEMFS_BIN)
+    return subprocess.run([str(HELPER), str(pool), str(mnt), "-o", opts],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_mount_helper_background_and_umount(work_dir: Path) -> None:
     pool, mnt = work_dir / "p.pool", work_dir / "mnt"
     mnt.mkdir()
     mkfs(pool, "32M")
-    env = dict(os.environ, RPMEMFS_BIN=RPMEMFS_BIN)
-    # what mount(8) runs for `mount -t fuse.rpmemfs POOL DIR -o ...`, fstab options included
-    res = subprocess.run([str(HELPER), str(pool), str(mnt), "-o", "rw,nofail,_netdev,pmem=force"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    res = _run_helper(pool, mnt, "rw,nofail,_netdev,pmem=force")  # fstab options included
     assert res.returncode == 0, res.stderr
     assert is_mounted(mnt), "the helper returned before the filesystem was mounted"
     _write_fsync(mnt / "f", b"through mount(8)")
@@ -52,8 +56,7 @@ def test_mount_helper_background_and_umount(work_dir: Path) -> None:
     # the background daemon persists and exits once the kernel lets go
     assert wait_until(lambda: _daemon_gone(pool), 15), "daemon still running after umount"
     assert_check_clean(pool)
-    m = subprocess.run([str(HELPER), str(pool), str(mnt), "-o", "pmem=force"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    m = _run_helper(pool, mnt, "pmem=force")
     assert m.returncode == 0, m.stderr
     try:
         assert (mnt / "f").read_bytes() == b"through mount(8)"
@@ -65,9 +68,7 @@ def test_mount_helper_rejects_unknown_option(work_dir: Path) -> None:
     pool, mnt = work_dir / "p.pool", work_dir / "mnt"
     mnt.mkdir()
     mkfs(pool, "32M")
-    env = dict(os.environ, RPMEMFS_BIN=RPMEMFS_BIN)
-    res = subprocess.run([str(HELPER), str(pool), str(mnt), "-o", "pmem=force,bogus=1"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    res = _run_helper(pool, mnt, "pmem=force,bogus=1")
     assert res.returncode != 0
     assert "unknown mount option" in res.stderr and "Traceback" not in res.stderr
     assert not is_mounted(mnt)

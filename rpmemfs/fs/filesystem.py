@@ -269,9 +269,7 @@ class Filesystem:
         local-only writes left for it, then data, then the log), and the barrier is
         complete, for freeing blocks, only when end_barrier() is called with it.
         """
-        self._commit([])
-        data = _coalesce(self.dirty_data)
-        self.dirty_data = []
+        data = self._take_dirty()
         seq = self.log.next_seq - 1
         tail = self.log.tail
         staged = self.log.take_staged()
@@ -288,6 +286,13 @@ class Filesystem:
         self.nt_data = []
         return Barrier(ranges, seq, tail)
 
+    def _take_dirty(self) -> Ranges:
+        """Log every dirty inode and hand over the changed data ranges, coalesced."""
+        self._commit([])
+        data = _coalesce(self.dirty_data)
+        self.dirty_data = []
+        return data
+
     def end_barrier(self, barrier: Barrier) -> None:
         """Everything the barrier covers is durable wherever the policy requires."""
         self.log.mark_durable(barrier.tail, barrier.seq)
@@ -298,24 +303,19 @@ class Filesystem:
         self.end_barrier(self.begin_barrier())
 
     def persist_outside_barrier(self, ranges: Ranges) -> None:
-        """For callers that write pool metadata of their own (the replica table)."""
-        self._persist_local(ranges)
-
-    def _persist_local(self, ranges: Ranges) -> None:
-        """Persist pool ranges written outside a barrier; replicas get them, in order, next."""
+        """Persist pool ranges written outside a barrier (checkpoints, the replica table);
+        replicas get them, in order, with the next barrier."""
         self.persister.persist(ranges)
         if self.replicated:
             self.for_replicas.extend(ranges)
 
     def checkpoint(self) -> None:
         """Snapshot the whole index into the other log area and switch to it."""
-        self._commit([])
-        data = _coalesce(self.dirty_data)
-        self.dirty_data = []
+        data = self._take_dirty()
         if data:
-            self._persist_local(data)
+            self.persist_outside_barrier(data)
         try:
-            self.log.checkpoint(self._snapshot_payloads(), self._persist_local)
+            self.log.checkpoint(self._snapshot_payloads(), self.persist_outside_barrier)
         except LogFull:
             self.meta_full = True
             log.warning("metadata snapshot does not fit a log area; refusing new inodes")

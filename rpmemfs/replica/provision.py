@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
+from rpmemfs.fs.layout import Header
+from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.replica.remote import create_remote, metadata_ranges
 from rpmemfs.replica.spec import ReplicaSpec
@@ -42,3 +46,18 @@ def create_replicas(path: str, size: int, specs: list[ReplicaSpec], token: bytes
         trio.run(all_)
     if errors:
         raise ProvisionError("; ".join(errors))
+
+
+def create_pool(path: str, size: int, specs: list[ReplicaSpec], *, token: bytes | None = None,
+                token_file: str | None = None, force: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> Header:
+    """mkfs the local pool, record its replicas in it, and create them on their targets.
+
+    MkfsError when the local pool cannot be made; ProvisionError when it was made but some
+    replica could not be.
+    """
+    hdr = mkfs(path, size, force=force, progress=progress)
+    if specs:
+        record_replicas(path, specs, token_file)
+        create_replicas(path, size, specs, token)
+    return hdr
