@@ -5,6 +5,7 @@ so ``pip install .`` and ``pip install -e .`` both compile it.
 """
 
 import os
+import re
 from pathlib import Path
 
 from cffi import FFI
@@ -20,9 +21,10 @@ def _rel(path: Path) -> str:
 
 def _cdef() -> str:
     # The header is the single declaration of the C API; cffi's cdef cannot parse
-    # preprocessor lines, and the declarations need none of them.
+    # preprocessor lines except integer constants, which it exports as lib.NAME.
     text = (_HERE / "rpmem_native.h").read_text()
-    return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    keep = [ln for ln in text.splitlines() if not ln.startswith("#") or re.fullmatch(r"#define \w+ \d+", ln)]
+    return "\n".join(keep)
 
 
 ffibuilder = FFI()
@@ -30,7 +32,7 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "rpmemfs._native",
     '#include "rpmem_native.h"',
-    sources=[_rel(_HERE / "rpmem_native.c")],
+    sources=[_rel(_HERE / "rpmem_native.c"), _rel(_HERE / "rpmem_lane.c")],
     include_dirs=[_rel(_HERE)],
     # Listed so that sdists carry them (setuptools >= 68, which pyproject.toml
     # requires, packs an extension's depends) and editing them triggers a rebuild.

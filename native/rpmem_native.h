@@ -41,4 +41,73 @@ int rpm_populate(void *addr, size_t len);
  * continues the checksum: rpm_crc32c(rpm_crc32c(0, a), b) == crc of a+b. */
 uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len);
 
+/* ---- target data path (rpmem_lane.c) ---- */
+
+/* Per-pool counters, shared by every lane that writes into the pool. */
+struct rpm_counters {
+    uint64_t writes;
+    uint64_t bytes;
+    uint64_t flushes;
+    uint64_t reads;
+    uint64_t atomics;
+    uint64_t persisted_ranges;
+};
+
+/* One registration of a session, as lanes see it. live and inflight make the handover
+ * safe: a lane uses base only between incrementing inflight and seeing live set. */
+struct rpm_region {
+    uint32_t key;
+    uint32_t live;
+    int32_t inflight;
+    int32_t pmem;
+    char *base;
+    uint64_t size;
+    struct rpm_counters *counters;
+};
+
+/* One lane connection. The staging buffer is the Python reader's: [start, end) holds
+ * bytes received and not yet consumed, before and after a call. */
+struct rpm_lane {
+    int fd;
+    int apm;
+    int spin_us;
+    int idle_ms;
+    int frame_ms;
+    int stop;
+    int err;
+    uint32_t nregions;
+    struct rpm_region *regions;
+    char *stage;
+    uint32_t stage_size;
+    uint32_t start;
+    uint32_t end;
+    uint8_t hdr[32];
+};
+
+/* What rpm_lane_serve returns. */
+#define RPM_LANE_CLOSED 1
+#define RPM_LANE_TRUNCATED 2
+#define RPM_LANE_IDLE 3
+#define RPM_LANE_STALLED 4
+#define RPM_LANE_HANDOFF 5
+#define RPM_LANE_PERSIST_FAILED 6
+#define RPM_LANE_SOCKET 7
+#define RPM_LANE_STOPPED 8
+
+/* Fill a free slot (live == 0, inflight == 0) and make it live; -1 if not free. */
+int rpm_region_publish(struct rpm_region *r, uint32_t key, char *base, uint64_t size,
+                       int pmem, struct rpm_counters *counters);
+/* Take a slot out of use; returns how many lanes are still inside a frame using it. */
+int rpm_region_retire(struct rpm_region *r);
+int rpm_region_inflight(struct rpm_region *r);
+/* Atomic add, for counters that lanes update too. */
+void rpm_count(uint64_t *field, uint64_t n);
+
+/* Serve frames until something only Python handles: never returns 0. */
+int rpm_lane_serve(struct rpm_lane *lane);
+
+/* Initiator: spin until each fds[i] has want[i] bytes to read or spin_us passed; ready
+ * must be zero on entry. Returns how many are ready. */
+int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n, int spin_us);
+
 #endif

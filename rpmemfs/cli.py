@@ -117,6 +117,68 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mounted_from(pool: str) -> str | None:
+    """The mountpoint where ``pool`` is mounted now, if it is."""
+    want = "rpmemfs:" + os.path.abspath(pool)
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 1 and fields[0].replace("\\040", " ") == want:
+                    return fields[1]
+    except OSError:
+        pass
+    return None
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.pmem import PmemError, PoolMapping
+    from rpmemfs.replica.spec import PoolSetError, is_poolset, read_poolset
+    from rpmemfs.replica.table import inspect_table
+    from rpmemfs.replica.verify import format_report, verify
+    from rpmemfs.units import parse_size
+
+    pool, specs = args.pool, None
+    if os.path.isfile(pool) and is_poolset(pool):
+        try:
+            ps = read_poolset(pool)
+        except PoolSetError as e:
+            raise CliError(str(e)) from None
+        pool, specs = ps.path, ps.replicas
+    if not os.path.isfile(pool):
+        raise CliError(f"pool {pool} does not exist or is not a file (verify takes a pool, not a mount)")
+    where = _mounted_from(pool)
+    if where:
+        raise CliError(f"pool {pool} is mounted at {where}: unmount it first (a live mount's pool runs "
+                       "ahead of its replicas until the next fsync)")
+    try:
+        chunk = parse_size(args.chunk)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
+        raise CliError("--chunk must be a multiple of 4K, at most 64M")
+    try:
+        pm = PoolMapping.open(pool, "msync", readonly=True)
+    except PmemError as e:
+        raise CliError(str(e)) from None
+    try:
+        table = inspect_table(pm.buf)
+        specs = specs if specs is not None else table.replicas
+        if not specs:
+            raise CliError(f"pool {pool} has no replicas to verify")
+        token = _token(args.token_file or table.token_file)
+        report = trio.run(verify, pool, pm.buf, specs, token, chunk)
+    finally:
+        try:
+            pm.close()
+        except BufferError:
+            pass  # a view is still referenced; the process exits and unmaps anyway
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.clean else 1
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from rpmemfs.fs.check import check, format_report
     from rpmemfs.pmem import PmemError, PoolMapping
@@ -178,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("pool")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_check)
+
+    s = sub.add_parser("verify", help="compare an unmounted pool with its replicas by chunk checksums")
+    s.add_argument("pool", help="pool file or pool-set file")
+    s.add_argument("--chunk", default="1M", help="checksum chunk size (default 1M)")
+    s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("bench", help="benchmarks vs pass-through FUSE filesystems and the plain dir",
                        add_help=False)

@@ -25,6 +25,7 @@ import trio
 from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.layout import BLOCK
+from rpmemfs.replica.replica_set import ReplicaError
 
 log = logging.getLogger("rpmemfs.fuse")
 
@@ -129,7 +130,8 @@ class Operations(pyfuse3.Operations):
                         # Local data is durable; replicas get these ranges with the next
                         # barrier, and blocks freed meanwhile stay unused until then.
                         self.fs.for_replicas[:0] = b.ranges
-                        log.error("replication barrier failed: %s", e)
+                        unexpected = not isinstance(e, ReplicaError)
+                        log.error("replication barrier failed: %s", e, exc_info=unexpected)
                         raise FsError(errno.EIO) from None
                 self.fs.end_barrier(b)
         self.stats.fsyncs += 1

@@ -98,6 +98,11 @@ class PoolMapping:
         self._base = ffi.from_buffer(mm)
         self._closed = False
 
+    @property
+    def base(self) -> object:
+        """The mapping as cffi sees it, for C code that places bytes into the pool."""
+        return self._base
+
     @classmethod
     def open(cls, path: str, mode: str = "auto", readonly: bool = False) -> Self:
         if mode not in PMEM_MODES:

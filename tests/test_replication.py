@@ -200,3 +200,44 @@ def test_replica_left_behind_stays_stale_across_remounts(
     fsync_path(lax.path / "g")
     lax.unmount()
     assert behind.read_bytes() == before, "a stale replica was written to"
+
+
+def test_verify_compares_chunk_checksums_and_finds_a_flipped_byte(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs_replicated(pool, targets)
+    m = mount_pool(pool)
+    make_tree(m.path, random.Random(5), nfiles=10, max_size=100_000)
+    fsync_tree(m.path)
+    refused = cli("verify", pool)
+    assert refused.returncode != 0 and "is mounted at" in refused.stderr, refused.stderr
+    m.unmount()
+
+    res = cli("verify", pool, "--chunk", "64K", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["clean"] and len(report["replicas"]) == 2
+    assert all(r["chunks"] == 64 * 1024 // 64 for r in report["replicas"])  # 64M pool, 64K chunks
+
+    # One byte flipped in the middle of the second replica's pool: exactly that chunk differs.
+    victim = _replica_file(targets[1], "app")
+    at = 40 * 1024 * 1024 + 12345
+    with open(victim, "r+b") as f:
+        f.seek(at)
+        old = f.read(1)
+        f.seek(at)
+        f.write(bytes([old[0] ^ 0xFF]))
+    res = cli("verify", pool, "--chunk", "64K", "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    first, second = report["replicas"]
+    assert first["differing"] == [] and first["error"] is None
+    assert second["differing"] == [{"offset": at // 65536 * 65536, "length": 65536}]
+    text = cli("verify", pool, "--chunk", "64K")
+    assert text.returncode == 1 and "DIFFERS" in text.stdout and "NOT CLEAN" in text.stdout
+
+    # A stopped target is reported, not skipped.
+    targets[0].stop()
+    res = cli("verify", pool, "--json")
+    assert res.returncode == 1
+    assert json.loads(res.stdout)["replicas"][0]["error"]

@@ -10,14 +10,26 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import trio
 
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.transport.base import BytesLike, Lane, Method, RemoteRegion, Session, TransportError
+from rpmemfs.transport.base import BytesLike, Lane, Method, RemoteRegion, Session, Ticket, TransportError
 
 State = Literal["in-sync", "failed", "connecting"]
+
+
+@dataclass(slots=True)
+class Posted:
+    """A barrier posted to one replica on one of its lanes, not yet known to be complete."""
+
+    replica: Replica
+    lane: Lane
+    ticket: Ticket
+    writes: int
+    nbytes: int
 
 
 class Replica:
@@ -104,6 +116,70 @@ class Replica:
         self.flushes += 1
         self.bytes += nbytes
         return self.state == "in-sync"
+
+    def post(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int) -> Posted | None:
+        """Post a barrier on a free lane without waiting.
+
+        None when the replica is not in sync, posting failed (the replica is then failed), or
+        every lane is busy (the replica is still in sync: use :meth:`barrier`).
+        """
+        if self.state != "in-sync" or self.region is None:
+            return None
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            return None
+        lane = self._free.popleft()
+        try:
+            ticket = lane.post_barrier(self.region, writes, self.method)
+        except TransportError as exc:
+            self._give_back(lane)
+            self.fail(str(exc))
+            return None
+        return Posted(self, lane, ticket, len(writes), nbytes)
+
+    def _give_back(self, lane: Lane) -> None:
+        self._free.append(lane)
+        self._slots.release()
+
+    def _completed(self, posted: Posted) -> bool:
+        self._give_back(posted.lane)
+        self.barriers += 1
+        self.writes += posted.writes
+        self.flushes += 1
+        self.bytes += posted.nbytes
+        return self.state == "in-sync"
+
+    def poll(self, posted: Posted) -> bool | None:
+        """True when the barrier completed (and the replica is in sync), False when it failed,
+        None while it is pending."""
+        try:
+            if not posted.lane.poll(posted.ticket):
+                return None
+        except TransportError as exc:
+            self._give_back(posted.lane)
+            self.fail(str(exc))
+            return False
+        return self._completed(posted)
+
+    async def finish(self, posted: Posted, timeout: float) -> bool:
+        """Wait for a posted barrier; like :meth:`barrier`, False (and failed) on any error."""
+        try:
+            with trio.fail_after(timeout):
+                await posted.lane.wait(posted.ticket)
+        except TransportError as exc:
+            self._give_back(posted.lane)
+            self.fail(str(exc))
+            return False
+        except trio.TooSlowError:
+            self._give_back(posted.lane)
+            self.fail(f"barrier not acknowledged within {timeout:g}s")
+            return False
+        except trio.Cancelled:
+            self._give_back(posted.lane)
+            self.fail("barrier cancelled while in flight; the lane's state is unknown")
+            raise
+        return self._completed(posted)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -15,10 +15,16 @@ import trio
 
 from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.replica.remote import create_remote
-from rpmemfs.replica.replica import Replica
+from rpmemfs.replica.replica import Posted, Replica
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError
+from rpmemfs.transport.spin import spin
 from rpmemfs.transport.tcp import TcpTransport
+
+# The polling budget of a barrier before it sleeps on its replies (see spin_budget).
+DEFAULT_SPIN_US = 200
+SPIN_BYTES_PER_US = 1000  # a loopback replica takes about 1 us per KB on top
+MAX_SPIN_US = 2000
 
 
 class ReplicaError(Exception):
@@ -57,6 +63,7 @@ class ReplicaSet:
         self.local_buf = local_buf
         self.min_replicas = min_replicas
         self.timeout = timeout
+        self.spin_us = DEFAULT_SPIN_US
 
     create_remote = staticmethod(create_remote)
 
@@ -169,10 +176,35 @@ class ReplicaSet:
             if await replica.barrier(writes, nbytes, self.timeout):
                 acked.append(replica)
 
+        async def finish(posted: Posted) -> None:
+            if await posted.replica.finish(posted, self.timeout):
+                acked.append(posted.replica)
+
         try:
-            async with trio.open_nursery() as nursery:
-                for replica in self.in_sync:
-                    nursery.start_soon(serve, replica)
+            # Post to every replica first, then poll all their completions together: the
+            # common barrier completes here without one scheduling round trip or wake-up.
+            posted: list[Posted] = []
+            busy: list[Replica] = []
+            for replica in self.in_sync:
+                p = replica.post(writes, nbytes)
+                if p is not None:
+                    posted.append(p)
+                elif replica.state == "in-sync":
+                    busy.append(replica)
+            spin([p.ticket for p in posted], self.spin_budget(nbytes))
+            pending: list[Posted] = []
+            for p in posted:
+                done = p.replica.poll(p)
+                if done:
+                    acked.append(p.replica)
+                elif done is None:
+                    pending.append(p)
+            if pending or busy:
+                async with trio.open_nursery() as nursery:
+                    for p in pending:
+                        nursery.start_soon(finish, p)
+                    for replica in busy:
+                        nursery.start_soon(serve, replica)
         finally:
             # A view left alive (say, by a traceback that holds this frame) keeps the mapping
             # exported, and the pool could then never be unmapped.
@@ -180,6 +212,13 @@ class ReplicaSet:
                 view.release()
         if len(acked) < self.min_replicas:
             raise self._shortfall(len(acked), "barrier acknowledged by too few replicas")
+
+    def spin_budget(self, nbytes: int) -> int:
+        """How long (us) a barrier of ``nbytes`` polls before it sleeps: about what a
+        healthy loopback replica takes, so only a slow or distant one costs a wake-up."""
+        if self.spin_us <= 0:
+            return 0
+        return min(self.spin_us + nbytes // SPIN_BYTES_PER_US, MAX_SPIN_US)
 
     def status(self) -> list[dict[str, Any]]:
         return [r.status() for r in self.replicas]

@@ -22,6 +22,9 @@ from rpmemfs.units import parse_size
 log = logging.getLogger("rpmemfs.target")
 
 DEFAULT_PORT = 7420
+# Waking a thread that sleeps costs about 100 us on a VM whose idle vCPUs halt; a barrier
+# arriving within this long after the previous frame finds its lane awake (docs/benchmarks.md).
+DEFAULT_SPIN_US = 200
 
 
 class StartError(Exception):
@@ -50,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=0.0, metavar="S",
         help="close connections idle this long (default 0: never; TCP keepalive finds dead peers)",
     )
+    p.add_argument(
+        "--spin-us", type=int, default=DEFAULT_SPIN_US, metavar="US",
+        help="after each frame a lane polls this long before it sleeps (0: sleep at once); "
+        f"default {DEFAULT_SPIN_US}",
+    )
+    p.add_argument(
+        "--datapath", choices=("c", "python"), default="c",
+        help="who runs the lanes' receive loops: a C thread per lane (default) or the Python loop",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -63,6 +75,8 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     for name in ("frame_timeout", "handshake_timeout"):
         if getattr(args, name) <= 0:
             raise StartError(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.spin_us <= 1_000_000:
+        raise StartError("--spin-us must be between 0 and 1000000")
     if args.idle_timeout < 0:
         raise StartError("--idle-timeout must be 0 (never) or positive")
     pool_dir = os.path.realpath(args.pool_dir)
@@ -90,7 +104,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         host=host, port=port, pool_dir=pool_dir, token=token, method=method, pmem_mode=args.pmem,
         pmem_kind=kind, max_pool_size=max_pool, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
-        idle_timeout=args.idle_timeout or math.inf,
+        idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
     )
     return config, store
 

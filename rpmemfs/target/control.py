@@ -1,4 +1,4 @@
-"""Control requests (JSON in SEND payloads): create, open, close, remove, stats, info.
+"""Control requests (JSON in SEND payloads): create, open, close, remove, checksum, stats, info.
 
 Not the hot path. A refused request gets a clean ``{"ok": false, "error": ...}`` reply and the
 connection stays up: bad input in a request is not a framing violation.
@@ -11,11 +11,24 @@ from typing import Any
 
 import trio
 
+from rpmemfs.native import crc32c
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession
 
 log = logging.getLogger("rpmemfs.target.control")
+
+
+# Checksum requests: chunk sizes and how many chunks one reply may carry.
+MIN_CHUNK = 4096
+MAX_CHUNK = 64 << 20
+MAX_CHUNKS = 4096
+
+
+def _crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
+    return [
+        crc32c(buf[pos : min(pos + chunk, offset + length)]) for pos in range(offset, offset + length, chunk)
+    ]
 
 
 class ControlService:
@@ -38,6 +51,8 @@ class ControlService:
                 return self._close(session, request)
             if op == "remove":
                 return self._remove(session, request)
+            if op == "checksum":
+                return await self._checksum(session, request)
             if op == "stats":
                 name = request.get("name")
                 return {"ok": True, "pools": self._store.stats(None if name is None else check_name(name))}
@@ -82,7 +97,39 @@ class ControlService:
                 "method this target advertises",
                 "method",
             )
-        return self._describe(session.register(pool))
+        try:
+            region = session.register(pool)
+        except PoolError:
+            self._store.release(pool)
+            raise
+        return self._describe(region)
+
+    async def _checksum(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        """CRC-32C of consecutive chunks of a registered pool, computed where the pool lives,
+        so that comparing pools moves checksums over the wire instead of data."""
+        key, offset, length, chunk = (request.get(k) for k in ("key", "offset", "length", "chunk"))
+        region = session.regions.get(key) if isinstance(key, int) else None
+        if region is None:
+            raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
+        for name, value in (("offset", offset), ("length", length), ("chunk", chunk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PoolError(f"checksum {name} must be a non-negative integer", "request")
+        assert isinstance(offset, int) and isinstance(length, int) and isinstance(chunk, int)
+        if not MIN_CHUNK <= chunk <= MAX_CHUNK or chunk % MIN_CHUNK:
+            raise PoolError(f"checksum chunk must be a multiple of {MIN_CHUNK} up to {MAX_CHUNK}", "request")
+        if offset + length > region.size:
+            raise PoolError(
+                f"checksum range ({offset}, {length}) is outside the pool of {region.size} bytes", "request"
+            )
+        if -(-length // chunk) > MAX_CHUNKS:
+            raise PoolError(f"at most {MAX_CHUNKS} chunks per checksum request", "request")
+        pool = region.pool
+        pool.acquire()
+        try:
+            crcs = await trio.to_thread.run_sync(_crcs, pool.buf, offset, length, chunk)
+        finally:
+            pool.release()
+        return {"ok": True, "crcs": crcs}
 
     def _close(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         key = request.get("key")

@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 
 import trio
 
+from rpmemfs.native import lib
 from rpmemfs.target.control import ControlService
+from rpmemfs.target.lane_native import NativeLane
 from rpmemfs.target.pools import Pool
 from rpmemfs.target.sessions import Region, TargetSession
 from rpmemfs.transport.sockio import SockIO
@@ -61,6 +64,10 @@ class Violation(Exception):
         self.reason = reason
 
 
+class _Deadline(Exception):
+    """The C loop met a deadline; FrameLoop._phase says which."""
+
+
 class FrameLoop:
     def __init__(
         self,
@@ -74,8 +81,10 @@ class FrameLoop:
         apm: bool,
         idle_timeout: float,
         frame_timeout: float,
+        native: NativeLane | None = None,
     ) -> None:
         self._io = io
+        self._native = native
         self._reader = reader
         self._peer = peer
         self._session = session
@@ -102,18 +111,25 @@ class FrameLoop:
                 self._io.bind_scope(None)
                 self._persist_dirty()
         if scope.cancelled_caught:
-            if self._phase == "idle":
-                log.info("peer %s: closing %s idle for %gs", self._peer, self._what, self._idle_timeout)
-            elif self._phase == "frame":
-                log.warning(
-                    "peer %s: closing %s: frame not completed within %gs (truncated or stalled)",
-                    self._peer, self._what, self._frame_timeout,
-                )
+            self._log_deadline()
+
+    def _log_deadline(self) -> None:
+        if self._phase == "idle":
+            log.info("peer %s: closing %s idle for %gs", self._peer, self._what, self._idle_timeout)
+        elif self._phase == "frame":
+            log.warning(
+                "peer %s: closing %s: frame not completed within %gs (truncated or stalled)",
+                self._peer, self._what, self._frame_timeout,
+            )
 
     async def _serve(self) -> None:
         try:
             while True:
+                if self._native is not None:
+                    await self._serve_native()
                 await self._serve_one()
+        except _Deadline:
+            self._log_deadline()
         except (Violation, WireError) as exc:
             log.warning("peer %s: closing %s: %s", self._peer, self._what, exc.reason)
             await self._error(self._last_id, exc.code, exc.reason, close=True)
@@ -124,6 +140,31 @@ class FrameLoop:
                 log.info("peer %s: %s closed by the peer", self._peer, self._what)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("peer %s: %s lost: %s", self._peer, self._what, exc)
+
+    async def _serve_native(self) -> None:
+        """Let the C loop serve frames until it leaves one to this loop."""
+        assert self._native is not None
+        while True:
+            status = await self._native.serve()
+            if status == lib.RPM_LANE_HANDOFF:
+                return
+            if status == lib.RPM_LANE_PERSIST_FAILED:
+                frame = self._native.frame()
+                reason = os.strerror(self._native.err)
+                log.error("peer %s: persisting a flush failed: %s", self._peer, reason)
+                await self._error(frame.id, Code.IO, f"persist failed on the target: {reason}", close=False)
+                continue
+            if status == lib.RPM_LANE_IDLE:
+                self._phase = "idle"
+                raise _Deadline
+            if status == lib.RPM_LANE_STALLED:
+                self._phase = "frame"
+                raise _Deadline
+            if status == lib.RPM_LANE_SOCKET:
+                raise OSError(self._native.err, os.strerror(self._native.err))
+            # CLOSED, TRUNCATED, or STOPPED (only after a cancellation, which the nursery
+            # inside serve() has re-raised before we get here).
+            raise PeerClosed(mid_frame=status == lib.RPM_LANE_TRUNCATED)
 
     def _frame_phase(self) -> None:
         self._phase = "frame"
@@ -184,9 +225,8 @@ class FrameLoop:
                     await reader.read_into(dest)
             finally:
                 pool.release()
-        counters = pool.counters
-        counters.writes += 1
-        counters.bytes += length
+        pool.counters.add("writes")
+        pool.counters.add("bytes", length)
         if self._apm:
             self._mark_dirty(pool, off, length)
 
@@ -200,9 +240,9 @@ class FrameLoop:
         self._persist_dirty()
         data = bytes(pool.buf[frame.offset : frame.offset + length])
         if frame.flags & F_FLUSH:
-            pool.counters.flushes += 1
+            pool.counters.add("flushes")
         else:
-            pool.counters.reads += 1
+            pool.counters.add("reads")
         await self._reply(Op.READ_RESP, frame.id, data)
 
     def _atomic_write(self, frame: Frame) -> None:
@@ -214,7 +254,7 @@ class FrameLoop:
         # One aligned 8-byte store through a 'Q' view: no reader can see half of it.
         with pool.buf[frame.offset : frame.offset + ATOMIC_SIZE] as raw, raw.cast("Q") as word:
             word[0] = frame.imm
-        pool.counters.atomics += 1
+        pool.counters.add("atomics")
         if self._apm:
             self._mark_dirty(pool, frame.offset, ATOMIC_SIZE)
 
@@ -265,7 +305,7 @@ class FrameLoop:
             log.error("peer %s: persisting pool %s failed: %s", self._peer, pool.name, exc)
             await self._error(frame.id, Code.IO, f"persist failed on the target: {exc}", close=False)
             return
-        pool.counters.flushes += 1
+        pool.counters.add("flushes")
         await self._reply(Op.SEND_REPLY, frame.id, b"")
 
     async def _control_request(self, frame: Frame) -> None:

@@ -6,10 +6,10 @@ import logging
 import os
 import shutil
 import stat
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from rpmemfs.fs.layout import Header, PoolFormatError
+from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.target.names import pool_path
 from rpmemfs.units import human
@@ -30,17 +30,19 @@ class PoolError(Exception):
         self.code = code
 
 
-@dataclass
 class PoolCounters:
-    writes: int = 0
-    bytes: int = 0
-    flushes: int = 0
-    reads: int = 0
-    atomics: int = 0
-    persisted_ranges: int = 0
+    """What initiators did to one pool, kept in C memory: the lanes' C threads count too."""
+
+    FIELDS = ("writes", "bytes", "flushes", "reads", "atomics", "persisted_ranges")
+
+    def __init__(self) -> None:
+        self.c: Any = ffi.new("struct rpm_counters *")
+
+    def add(self, field: str, n: int = 1) -> None:
+        lib.rpm_count(ffi.addressof(self.c[0], field), n)
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {f: int(getattr(self.c, f)) for f in self.FIELDS}
 
 
 class Pool:
@@ -70,7 +72,7 @@ class Pool:
 
     def persist(self, ranges: list[tuple[int, int]]) -> None:
         self.mapping.persist(ranges)
-        self.counters.persisted_ranges += len(ranges)
+        self.counters.add("persisted_ranges", len(ranges))
 
     def acquire(self) -> None:
         self.users += 1

@@ -14,6 +14,7 @@ import trio
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
 from rpmemfs.target.handshake import HandshakeRefused, accept, refuse
+from rpmemfs.target.lane_native import NativeLane
 from rpmemfs.target.peers import peer_allowed
 from rpmemfs.target.pools import PoolStore
 from rpmemfs.target.sessions import SessionTable
@@ -41,6 +42,8 @@ class TargetConfig:
     handshake_timeout: float
     frame_timeout: float
     idle_timeout: float
+    spin_us: int = 0
+    native: bool = True  # lanes' receive loops in C threads
 
 
 async def listen(host: str, port: int) -> socket.socket:
@@ -156,9 +159,16 @@ class Server:
             log.info("peer %s left during the handshake: %s", peer, exc)
             return
         reader.resize(STAGING_SIZE)
+        apm = cfg.method == "apm"
+        native = None
+        if role == Role.LANE and cfg.native:
+            native = NativeLane(
+                sock, reader, session.table, apm=apm, spin_us=cfg.spin_us,
+                idle_timeout=cfg.idle_timeout, frame_timeout=cfg.frame_timeout,
+            )
         loop = FrameLoop(
             sock, reader, peer, session, role, self.control,
-            apm=cfg.method == "apm", idle_timeout=cfg.idle_timeout, frame_timeout=cfg.frame_timeout,
+            apm=apm, idle_timeout=cfg.idle_timeout, frame_timeout=cfg.frame_timeout, native=native,
         )
         if role == Role.CONTROL:
             log.info("peer %s: session %s opened", peer, session.id.hex()[:8])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import trio
 
 from rpmemfs.target.pools import Pool, PoolStore
+from rpmemfs.target.regions import RegionTable
 from rpmemfs.transport.wire import SESSION_ID_SIZE
 
 
@@ -20,6 +21,7 @@ class Region:
     key: int
     pool: Pool
     size: int
+    slot: int
 
 
 @dataclass
@@ -28,6 +30,7 @@ class TargetSession:
     peer: str
     regions: dict[int, Region] = field(default_factory=dict)
     lanes: set[trio.CancelScope] = field(default_factory=set)
+    table: RegionTable = field(default_factory=RegionTable)
 
     def register(self, pool: Pool) -> Region:
         # Keys are random so a key seen on one session says nothing about another's.
@@ -35,7 +38,7 @@ class TargetSession:
             key = secrets.randbits(32)
             if key and key not in self.regions:
                 break
-        region = Region(key, pool, pool.size)
+        region = Region(key, pool, pool.size, self.table.publish(key, pool))
         self.regions[key] = region
         return region
 
@@ -62,9 +65,20 @@ class SessionTable:
 
     def unregister(self, session: TargetSession, key: int) -> Region | None:
         region = session.regions.pop(key, None)
-        if region is not None:
+        if region is None:
+            return None
+        if session.table.retire(region.slot):
+            # A lane's C loop is inside a frame that writes into this pool; the mapping
+            # must outlive that frame.
+            trio.lowlevel.spawn_system_task(self._release_when_unused, session.table, region)
+        else:
             self._store.release(region.pool)
         return region
+
+    async def _release_when_unused(self, table: RegionTable, region: Region) -> None:
+        while table.inflight(region.slot):
+            await trio.sleep(0.001)
+        self._store.release(region.pool)
 
     def end(self, session: TargetSession) -> None:
         self._sessions.pop(session.id, None)

@@ -62,6 +62,18 @@ class LaneStats:
     sendmsgs: int = 0  # sendmsg calls: more than batches only when the socket buffer filled
 
 
+class Ticket(Protocol):
+    """A barrier posted without waiting: what to poll, and how much its completion holds."""
+
+    @property
+    def fd(self) -> int:
+        """A descriptor that turns readable when the completion may be there."""
+
+    @property
+    def want(self) -> int:
+        """Bytes the completion needs to be readable on ``fd``."""
+
+
 class Lane(Protocol):
     @property
     def peer(self) -> str: ...
@@ -85,6 +97,19 @@ class Lane(Protocol):
         self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
     ) -> None:
         """The writes and exactly one flush (``method``, else the region's), then wait for it."""
+
+    def post_barrier(
+        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
+    ) -> Ticket:
+        """Post the writes and the one flush without waiting (what remains to send, if the
+        socket buffer was full, goes out in :meth:`wait`). Like ibv_post_send: the caller
+        then polls or waits for the one completion."""
+
+    def poll(self, ticket: Ticket) -> bool:
+        """True once the barrier completed; never waits. TransportError if it failed."""
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Wait for the barrier's completion (bounded by the session timeout)."""
 
     async def read(self, region: RemoteRegion, offset: int, length: int) -> bytes: ...
 
@@ -121,6 +146,9 @@ class Session(Protocol):
     async def close_pool(self, region: RemoteRegion) -> None: ...
 
     async def remove_pool(self, name: str) -> None: ...
+
+    async def checksum(self, region: RemoteRegion, offset: int, length: int, chunk: int) -> list[int]:
+        """CRC-32C of each ``chunk`` of [offset, offset + length), computed by the target."""
 
     async def stats(self, name: str | None = None) -> dict[str, Any]:
         """The target's counters per pool (writes, bytes, flushes, ...)."""

@@ -17,9 +17,10 @@ import trio
 from rpmemfs.transport import auth
 from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
-from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all
+from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all, send_nowait
 from rpmemfs.transport.wire import (
     F_CLOSE,
+    HEADER_SIZE,
     MAX_ERROR_TEXT,
     MAX_READ,
     MAX_SEND,
@@ -33,6 +34,7 @@ from rpmemfs.transport.wire import (
     Op,
     Role,
     WireError,
+    unpack_header,
 )
 
 SEND_BUFFER = 4 << 20
@@ -54,7 +56,9 @@ class Connection:
         self.peer = peer
         self.timeout = timeout
         self.reader = FrameReader(io)
-        self._send_lock = trio.Lock()
+        # A semaphore, not a Lock: a barrier posted by one task may leave the rest of its
+        # frames (and the right to send) to the task that waits for it.
+        self._send_lock = trio.Semaphore(1, max_value=1)
         self._recv_lock = trio.Lock()
         self._stash: dict[int, tuple[Frame, bytes]] = {}
         self._next_id = 0
@@ -130,6 +134,73 @@ class Connection:
             self.lose("an operation was cancelled while sending")
             raise
 
+    def send_nowait(self, bufs: list[Buffer]) -> tuple[list[Buffer], int, bool]:
+        """Send what the socket takes now, without waiting.
+
+        Returns (the rest, sendmsg calls, locked). When part of the batch went out, the send
+        lock stays held (``locked``) so that nothing interleaves with the frame cut in half;
+        :meth:`finish_send` must follow whenever a rest remains.
+        """
+        self.check()
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            return bufs, 0, False
+        try:
+            rest, calls = send_nowait(self.io, bufs)
+        except OSError as exc:
+            self._send_lock.release()
+            self._fail(f"connection lost while sending: {exc}")
+        locked = bool(rest) and calls > 0
+        if not locked:
+            self._send_lock.release()
+        return rest, calls, locked
+
+    async def finish_send(self, rest: list[Buffer], locked: bool) -> int:
+        """Send the rest that :meth:`send_nowait` left (``locked``: it kept the send lock)."""
+        self.check()
+        try:
+            with trio.fail_after(self.timeout):
+                if not locked:
+                    return await self._send(rest)
+                try:
+                    return await send_all(self.io, rest)
+                finally:
+                    self._send_lock.release()
+        except trio.TooSlowError:
+            self._fail(f"timed out after {self.timeout:g}s sending to the target")
+        except _NETWORK_ERRORS as exc:
+            self.check()
+            self._fail(f"connection lost while sending: {exc}")
+        except trio.Cancelled:
+            self.lose("an operation was cancelled while sending")
+            raise
+
+    def reply_nowait(self, id_: int) -> tuple[Frame, bytes] | None:
+        """The reply to ``id_`` if the socket already holds all of it, else None; never waits."""
+        self.check()
+        if id_ not in self._stash:
+            if self._recv_lock.locked():
+                return None
+            reader = self.reader
+            try:
+                while id_ not in self._stash:
+                    if not reader.fill_nowait(HEADER_SIZE):
+                        return None
+                    frame = unpack_header(reader.peek(HEADER_SIZE))
+                    self._check_reply(frame)
+                    if not reader.fill_nowait(HEADER_SIZE + frame.length):
+                        return None  # the waiting path takes it from the buffer
+                    reader.take(HEADER_SIZE)
+                    self._stash_reply(frame, bytes(reader.take(frame.length)))
+            except (OSError, PeerClosed, WireError) as exc:
+                self.check()
+                self._fail(f"connection lost: {exc}")
+        frame, payload = self._stash.pop(id_)
+        if frame.op == Op.ERROR:
+            raise TransportError(self.peer, _error_reason(payload, frame.imm), code=frame.imm)
+        return frame, payload
+
     async def call(self, bufs: list[Buffer], id_: int) -> tuple[int, Frame, bytes]:
         """Send frames and wait for the reply to request ``id_``, under one deadline.
 
@@ -169,12 +240,17 @@ class Connection:
 
     async def _read_one(self) -> None:
         frame = await self.reader.header()
+        self._check_reply(frame)
+        self._stash_reply(frame, await self.reader.payload(frame.length))
+
+    def _check_reply(self, frame: Frame) -> None:
         limit = _REPLY_LIMITS.get(Op(frame.op))
         if limit is None:
             self._fail(f"target sent an unexpected {Op(frame.op).name} frame")
         if frame.length > limit:
             self._fail(f"target sent a {Op(frame.op).name} of {frame.length} bytes (limit {limit})")
-        payload = await self.reader.payload(frame.length)
+
+    def _stash_reply(self, frame: Frame, payload: bytes) -> None:
         if frame.op == Op.ERROR and frame.flags & F_CLOSE:
             self._fail("target closed the connection: " + _error_reason(payload, frame.imm), frame.imm)
         self._stash[frame.id] = (frame, payload)

@@ -51,18 +51,55 @@ class FrameReader:
         self._view = memoryview(buf)
         self._start, self._end = 0, have
 
-    async def fill(self, n: int) -> None:
-        """Wait until at least ``n`` bytes (at most the staging size) are buffered."""
+    def window(self) -> tuple[bytearray, int, int]:
+        """The staging buffer and the [start, end) of its unconsumed bytes, for a C reader."""
+        return self._buf, self._start, self._end
+
+    def set_window(self, start: int, end: int) -> None:
+        """What a C reader left unconsumed in the staging buffer."""
+        if not 0 <= start <= end <= len(self._buf):
+            raise ValueError(f"bad staging window [{start}, {end}) of {len(self._buf)}")
+        self._start, self._end = start, end
+
+    def fill_nowait(self, n: int) -> bool:
+        """Buffer at least ``n`` bytes from what the socket holds now; False if it holds fewer."""
         if self._end - self._start >= n:
-            return
+            return True
         if n > len(self._buf):
-            raise ValueError(f"cannot buffer {n} bytes in a staging buffer of {len(self._buf)}")
+            return False
+        self._make_room(n)
+        sock = self.sock.sock
+        while self._end - self._start < n:
+            try:
+                got = sock.recv_into(self._view[self._end :])
+            except BlockingIOError:
+                return False
+            except InterruptedError:
+                continue
+            if not got:
+                raise PeerClosed(mid_frame=self._end > self._start)
+            self._end += got
+        return True
+
+    def peek(self, n: int) -> memoryview:
+        """The next ``n`` buffered bytes, left in the buffer."""
+        return self._view[self._start : self._start + n]
+
+    def _make_room(self, n: int) -> None:
         if self._start == self._end:
             self._start = self._end = 0
         elif self._start + n > len(self._buf):
             have = self._end - self._start
             self._view[:have] = self._view[self._start : self._end]
             self._start, self._end = 0, have
+
+    async def fill(self, n: int) -> None:
+        """Wait until at least ``n`` bytes (at most the staging size) are buffered."""
+        if self._end - self._start >= n:
+            return
+        if n > len(self._buf):
+            raise ValueError(f"cannot buffer {n} bytes in a staging buffer of {len(self._buf)}")
+        self._make_room(n)
         while self._end - self._start < n:
             got = await self.sock.recv_into(self._view[self._end :])
             if not got:
@@ -123,6 +160,37 @@ def _nbytes(buf: Buffer) -> int:
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
+def _advance(pending: list[Buffer], i: int, sent: int) -> int:
+    """Skip ``sent`` bytes of pending[i:]; returns the index of the first unsent buffer."""
+    while i < len(pending):
+        n = _nbytes(pending[i])
+        if sent >= n:
+            sent -= n
+            i += 1
+        else:
+            if sent:
+                pending[i] = memoryview(pending[i])[sent:]
+            break
+    return i
+
+
+def send_nowait(sock: SockIO, bufs: list[Buffer]) -> tuple[list[Buffer], int]:
+    """Send what the socket takes now; returns (what is left, sendmsg calls)."""
+    pending = list(bufs)
+    raw = sock.sock
+    calls = i = 0
+    while i < len(pending):
+        try:
+            sent = raw.sendmsg(pending[i : i + IOV_MAX])
+        except BlockingIOError:
+            break
+        except InterruptedError:
+            continue
+        calls += 1
+        i = _advance(pending, i, sent)
+    return pending[i:], calls
+
+
 async def send_all(sock: SockIO, bufs: list[Buffer]) -> int:
     """Send the buffers in order with sendmsg; returns how many sendmsg calls it took.
 
@@ -135,13 +203,5 @@ async def send_all(sock: SockIO, bufs: list[Buffer]) -> int:
     while i < len(pending):
         sent = await sock.sendmsg(pending[i : i + IOV_MAX])
         calls += 1
-        while i < len(pending):
-            n = _nbytes(pending[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                if sent:
-                    pending[i] = memoryview(pending[i])[sent:]
-                break
+        i = _advance(pending, i, sent)
     return calls

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -25,6 +26,7 @@ from rpmemfs.transport.base import (
     Method,
     RemoteRegion,
     Session,
+    Ticket,
     Transport,
     TransportError,
     check_range,
@@ -36,6 +38,7 @@ from rpmemfs.transport.sockio import Buffer
 from rpmemfs.transport.wire import (
     ATOMIC_SIZE,
     F_FLUSH,
+    HEADER_SIZE,
     MAX_CONTROL,
     MAX_FLUSH_RANGES,
     MAX_READ,
@@ -50,6 +53,18 @@ from rpmemfs.transport.wire import (
 )
 
 FLUSH_READ_SIZE = 8
+
+
+@dataclass(slots=True)
+class TcpTicket:
+    """A posted barrier: the flush's request id and what is left to send."""
+
+    id: int
+    fd: int
+    want: int  # bytes of the flush's reply
+    rest: list[Buffer]
+    locked: bool  # the connection's send lock is held until ``rest`` is sent
+    done: bool = False
 
 
 def _bytes_view(data: BytesLike) -> memoryview:
@@ -138,6 +153,11 @@ class TcpLane:
     async def barrier(
         self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
     ) -> None:
+        await self.wait(self.post_barrier(region, writes, method))
+
+    def post_barrier(
+        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
+    ) -> TcpTicket:
         method = method or region.method
         if method not in ("apm", "gpspm"):
             raise ValueError(f"unknown persistence method {method!r}")
@@ -145,9 +165,34 @@ class TcpLane:
         ranges = self._write_frames(region, writes, bufs)
         if method == "apm":
             id_ = self._flush_read_frame(region, bufs)
+            want = HEADER_SIZE + FLUSH_READ_SIZE
         else:
             id_ = self._flush_send_frame(region, ranges, bufs)
-        await self._call(bufs, id_)
+            want = HEADER_SIZE
+        self.stats.batches += 1
+        rest, calls, locked = self._conn.send_nowait(bufs)
+        self.stats.sendmsgs += calls
+        return TcpTicket(id_, self._conn.io.fileno(), want, rest, locked)
+
+    def poll(self, ticket: Ticket) -> bool:
+        assert isinstance(ticket, TcpTicket)
+        if ticket.done:
+            return True
+        if ticket.rest or self._conn.reply_nowait(ticket.id) is None:
+            return False
+        ticket.done = True
+        self.stats.flushes += 1
+        return True
+
+    async def wait(self, ticket: Ticket) -> None:
+        assert isinstance(ticket, TcpTicket)
+        if ticket.done:
+            return
+        if ticket.rest:
+            rest, ticket.rest = ticket.rest, []
+            self.stats.sendmsgs += await self._conn.finish_send(rest, ticket.locked)
+        await self._conn.reply(ticket.id)
+        ticket.done = True
         self.stats.flushes += 1
 
     async def read(self, region: RemoteRegion, offset: int, length: int) -> bytes:
@@ -280,6 +325,16 @@ class TcpSession:
 
     async def remove_pool(self, name: str) -> None:
         await self.control({"op": "remove", "name": name})
+
+    async def checksum(self, region: RemoteRegion, offset: int, length: int, chunk: int) -> list[int]:
+        """CRC-32C of each ``chunk`` bytes of [offset, offset + length) of the remote pool."""
+        reply = await self.control(
+            {"op": "checksum", "key": region.key, "offset": offset, "length": length, "chunk": chunk}
+        )
+        crcs = reply.get("crcs")
+        if not isinstance(crcs, list) or len(crcs) != -(-length // chunk):
+            raise TransportError(self.peer, "target answered a checksum request with the wrong count")
+        return [int(c) for c in crcs]
 
     async def stats(self, name: str | None = None) -> dict[str, Any]:
         reply = await self.control({"op": "stats"} if name is None else {"op": "stats", "name": name})

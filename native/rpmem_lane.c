@@ -1,0 +1,456 @@
+/* rpmemfs target data path: the receive loop of one lane connection, run in a thread.
+ *
+ * This plays the NIC of docs/wire.md. It takes frames off the lane's socket strictly in
+ * order, places WRITE payloads into the registered pool mappings, answers a READ only
+ * after everything before it on the lane is placed (and, under the appliance method,
+ * written back), and serves general-purpose flushes. cffi drops the GIL around the call,
+ * so the lanes of every session run beside each other and beside the Python daemon.
+ *
+ * It handles only well-formed data frames. Anything else (control SENDs, every frame a
+ * check refuses, flush lists too large for the staging buffer) is left unconsumed in the
+ * staging buffer and RPM_LANE_HANDOFF is returned: the Python loop owns every error
+ * message and takes that frame from there, so the checks and their wording live once.
+ *
+ * Waiting: after a frame, the loop spins on recv() for spin_us before it sleeps in
+ * poll(). On virtual machines whose idle vCPUs halt, waking a sleeping thread costs
+ * about 100 us, more than a whole barrier; spinning is what an RDMA consumer polling its
+ * completion queue does, and it burns CPU only while the lane is busy.
+ */
+#define _GNU_SOURCE
+#include "rpmem_native.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HDR 32
+#define OP_WRITE 0x01
+#define OP_READ 0x02
+#define OP_READ_RESP 0x03
+#define OP_ATOMIC 0x04
+#define OP_SEND 0x05
+#define OP_SEND_REPLY 0x06
+#define F_FLUSH 0x01
+#define KIND_FLUSH 2
+#define MAX_WRITE (64u << 20)
+#define MAX_READ (16u << 20)
+/* A payload remainder smaller than this comes through the staging buffer (it may bring
+ * the next frames along); a larger one is received straight into the mapping. */
+#define STRAIGHT_MIN (16u << 10)
+#define PAGE 4096u
+
+/* The wire header; the host is little endian like the wire (x86-64 only: see clwb). */
+struct hdr {
+    uint8_t op;
+    uint8_t flags;
+    uint16_t reserved;
+    uint32_t key;
+    uint64_t offset;
+    uint32_t length;
+    uint32_t id;
+    uint64_t imm;
+} __attribute__((packed));
+
+_Static_assert(sizeof(struct hdr) == HDR, "wire header is 32 bytes");
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- regions: published by Python, used here one frame at a time ---------------- */
+
+int rpm_region_publish(struct rpm_region *r, uint32_t key, char *base, uint64_t size,
+                       int pmem, struct rpm_counters *counters)
+{
+    if (__atomic_load_n(&r->live, __ATOMIC_SEQ_CST) ||
+        __atomic_load_n(&r->inflight, __ATOMIC_SEQ_CST))
+        return -1;
+    r->base = base;
+    r->size = size;
+    r->pmem = pmem;
+    r->counters = counters;
+    __atomic_store_n(&r->key, key, __ATOMIC_RELEASE);
+    __atomic_store_n(&r->live, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+int rpm_region_retire(struct rpm_region *r)
+{
+    /* Dekker with hold(): a lane either sees live == 0, or is counted in inflight here. */
+    __atomic_store_n(&r->live, 0, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&r->inflight, __ATOMIC_SEQ_CST);
+}
+
+int rpm_region_inflight(struct rpm_region *r)
+{
+    return __atomic_load_n(&r->inflight, __ATOMIC_SEQ_CST);
+}
+
+void rpm_count(uint64_t *field, uint64_t n)
+{
+    __atomic_add_fetch(field, n, __ATOMIC_RELAXED);
+}
+
+static struct rpm_region *hold(struct rpm_lane *l, uint32_t key)
+{
+    if (!key)
+        return NULL;
+    for (uint32_t i = 0; i < l->nregions; i++) {
+        struct rpm_region *r = &l->regions[i];
+        if (__atomic_load_n(&r->key, __ATOMIC_RELAXED) != key)
+            continue;
+        __atomic_add_fetch(&r->inflight, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&r->live, __ATOMIC_SEQ_CST) &&
+            __atomic_load_n(&r->key, __ATOMIC_ACQUIRE) == key)
+            return r;
+        __atomic_sub_fetch(&r->inflight, 1, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+static void unhold(struct rpm_region *r)
+{
+    __atomic_sub_fetch(&r->inflight, 1, __ATOMIC_SEQ_CST);
+}
+
+static int in_bounds(const struct rpm_region *r, uint64_t off, uint64_t len)
+{
+    return off <= r->size && len <= r->size - off;
+}
+
+/* ---- socket waits ------------------------------------------------------------------ */
+
+/* Wait until the socket is readable (want_out = 0) or writable (1). deadline 0 = none. */
+static int wait_fd(struct rpm_lane *l, int want_out, uint64_t deadline, int idle)
+{
+    for (;;) {
+        if (__atomic_load_n(&l->stop, __ATOMIC_RELAXED))
+            return RPM_LANE_STOPPED;
+        int ms = -1;
+        if (deadline) {
+            uint64_t t = now_ns();
+            if (t >= deadline)
+                return idle ? RPM_LANE_IDLE : RPM_LANE_STALLED;
+            ms = (int)((deadline - t + 999999) / 1000000);
+        }
+        struct pollfd p = {.fd = l->fd, .events = want_out ? POLLOUT : POLLIN};
+        int n = poll(&p, 1, ms);
+        if (n > 0)
+            return 0;
+        if (n < 0 && errno != EINTR) {
+            l->err = errno;
+            return RPM_LANE_SOCKET;
+        }
+    }
+}
+
+static uint64_t deadline_after(int ms)
+{
+    return ms < 0 ? 0 : now_ns() + (uint64_t)ms * 1000000u + 1;
+}
+
+/* recv into dst; >0 bytes, or a status (<= 0 means: closed, see mid). */
+static int recv_some(struct rpm_lane *l, char *dst, size_t cap, uint64_t deadline, int idle,
+                     int spin, ssize_t *got)
+{
+    uint64_t spin_until = spin && l->spin_us > 0 ? now_ns() + (uint64_t)l->spin_us * 1000u : 0;
+    for (;;) {
+        ssize_t n = recv(l->fd, dst, cap, MSG_DONTWAIT);
+        if (n >= 0) {
+            *got = n;
+            return 0;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            l->err = errno;
+            return RPM_LANE_SOCKET;
+        }
+        if (spin_until && now_ns() < spin_until) {
+            if (__atomic_load_n(&l->stop, __ATOMIC_RELAXED))
+                return RPM_LANE_STOPPED;
+            sched_yield();
+            continue;
+        }
+        int rc = wait_fd(l, 0, deadline, idle);
+        if (rc)
+            return rc;
+    }
+}
+
+/* Make at least n bytes (n <= stage_size) sit in the staging buffer. */
+static int fill(struct rpm_lane *l, uint32_t n, uint64_t deadline, int idle)
+{
+    if (l->end - l->start >= n)
+        return 0;
+    if (l->start == l->end) {
+        l->start = l->end = 0;
+    } else if (l->start + n > l->stage_size) {
+        uint32_t have = l->end - l->start;
+        memmove(l->stage, l->stage + l->start, have);
+        l->start = 0;
+        l->end = have;
+    }
+    while (l->end - l->start < n) {
+        ssize_t got = 0;
+        int rc = recv_some(l, l->stage + l->end, l->stage_size - l->end, deadline, idle, 1, &got);
+        if (rc)
+            return rc;
+        if (!got)
+            return l->end > l->start ? RPM_LANE_TRUNCATED : RPM_LANE_CLOSED;
+        l->end += (uint32_t)got;
+    }
+    return 0;
+}
+
+static int send_all(struct rpm_lane *l, struct iovec *iov, int cnt, uint64_t deadline)
+{
+    while (cnt) {
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t n = sendmsg(l->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                l->err = errno;
+                return RPM_LANE_SOCKET;
+            }
+            int rc = wait_fd(l, 1, deadline, 0);
+            if (rc)
+                return rc;
+            continue;
+        }
+        while (cnt && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt) {
+            iov->iov_base = (char *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+    return 0;
+}
+
+static int reply(struct rpm_lane *l, uint8_t op, uint32_t id, const void *data, uint32_t len,
+                 uint64_t deadline)
+{
+    struct hdr h = {.op = op, .length = len, .id = id};
+    struct iovec iov[2] = {{&h, HDR}, {(void *)data, len}};
+    return send_all(l, iov, len ? 2 : 1, deadline);
+}
+
+/* ---- the data ops -------------------------------------------------------------------- */
+
+static void persist(struct rpm_region *r, const uint64_t *pairs, uint32_t n, int *failed)
+{
+    if (r->pmem) {
+        rpm_flush_ranges(r->base, pairs, n);
+        rpm_drain();
+    } else {
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t off = pairs[2 * i], len = pairs[2 * i + 1];
+            if (!len)
+                continue;
+            uint64_t start = off & ~(uint64_t)(PAGE - 1);
+            if (msync(r->base + start, off + len - start, MS_SYNC) && !*failed)
+                *failed = errno;
+        }
+    }
+    rpm_count(&r->counters->persisted_ranges, n);
+}
+
+static int do_write(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
+{
+    char *dst = r->base + h->offset;
+    uint32_t total = h->length, pos = l->end - l->start;
+    if (pos > total)
+        pos = total;
+    memcpy(dst, l->stage + l->start, pos);
+    l->start += pos;
+    while (pos < total) {
+        uint32_t rest = total - pos;
+        if (rest < STRAIGHT_MIN) {
+            int rc = fill(l, rest, deadline, 0);
+            if (rc)
+                return rc == RPM_LANE_CLOSED ? RPM_LANE_TRUNCATED : rc;
+            memcpy(dst + pos, l->stage + l->start, rest);
+            l->start += rest;
+            break;
+        }
+        ssize_t got = 0;
+        int rc = recv_some(l, dst + pos, rest, deadline, 0, 0, &got);
+        if (rc)
+            return rc;
+        if (!got)
+            return RPM_LANE_TRUNCATED;
+        pos += (uint32_t)got;
+    }
+    if (l->apm)
+        rpm_flush(dst, total); /* fenced before the next READ is answered */
+    rpm_count(&r->counters->writes, 1);
+    rpm_count(&r->counters->bytes, total);
+    return 0;
+}
+
+static int do_read(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
+{
+    /* Everything earlier on the lane is placed; under apm it must also be persistent. */
+    if (l->apm)
+        rpm_drain();
+    int rc = reply(l, OP_READ_RESP, h->id, r->base + h->offset, h->length, deadline);
+    rpm_count(h->flags & F_FLUSH ? &r->counters->flushes : &r->counters->reads, 1);
+    return rc;
+}
+
+static void do_atomic(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r)
+{
+    uint64_t *word = (uint64_t *)(r->base + h->offset);
+    __atomic_store_n(word, h->imm, __ATOMIC_RELEASE);
+    if (l->apm)
+        rpm_flush(word, 8);
+    rpm_count(&r->counters->atomics, 1);
+}
+
+/* The flush list sits whole in the staging buffer after its header; 0 when it is valid. */
+static int flush_list_ok(const struct rpm_region *r, const char *p, uint32_t len, uint32_t *count)
+{
+    if (len < 4)
+        return 0;
+    uint32_t n;
+    memcpy(&n, p, 4);
+    if ((uint64_t)len != 4 + 16 * (uint64_t)n)
+        return 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t off, ln;
+        memcpy(&off, p + 4 + 16 * i, 8);
+        memcpy(&ln, p + 12 + 16 * i, 8);
+        if (!in_bounds(r, off, ln))
+            return 0;
+    }
+    *count = n;
+    return 1;
+}
+
+static int do_flush(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
+{
+    uint32_t count = 0;
+    const char *p = l->stage + l->start + HDR;
+    if (!flush_list_ok(r, p, h->length, &count))
+        return RPM_LANE_HANDOFF;
+    l->start += HDR + h->length;
+    /* The pairs may be unaligned in the staging buffer; copy them in bounded chunks. */
+    uint64_t pairs[2 * 64];
+    int failed = 0;
+    for (uint32_t i = 0; i < count; i += 64) {
+        uint32_t k = count - i < 64 ? count - i : 64;
+        memcpy(pairs, p + 4 + 16 * i, 16 * k);
+        persist(r, pairs, k, &failed);
+    }
+    if (failed) {
+        l->err = failed;
+        memcpy(l->hdr, h, HDR);
+        return RPM_LANE_PERSIST_FAILED;
+    }
+    rpm_count(&r->counters->flushes, 1);
+    return reply(l, OP_SEND_REPLY, h->id, NULL, 0, deadline);
+}
+
+/* Serve one frame whose header is in the staging buffer. */
+static int serve_one(struct rpm_lane *l, uint64_t deadline)
+{
+    struct hdr h;
+    memcpy(&h, l->stage + l->start, HDR);
+    if (h.reserved)
+        return RPM_LANE_HANDOFF;
+    int rc = RPM_LANE_HANDOFF;
+    uint64_t span = h.op == OP_ATOMIC ? 8 : h.op == OP_SEND ? 0 : h.length;
+    struct rpm_region *r = hold(l, h.key);
+    if (!r)
+        return RPM_LANE_HANDOFF;
+    if (!in_bounds(r, h.offset, span))
+        goto out;
+    switch (h.op) {
+    case OP_WRITE:
+        if (h.flags || h.length > MAX_WRITE)
+            break;
+        l->start += HDR;
+        rc = do_write(l, &h, r, deadline);
+        break;
+    case OP_READ:
+        if ((h.flags & ~F_FLUSH) || h.length > MAX_READ)
+            break;
+        l->start += HDR;
+        rc = do_read(l, &h, r, deadline);
+        break;
+    case OP_ATOMIC:
+        if (h.flags || h.length || h.offset % 8)
+            break;
+        l->start += HDR;
+        do_atomic(l, &h, r);
+        rc = 0;
+        break;
+    case OP_SEND:
+        if (h.flags || h.imm != KIND_FLUSH || h.length > l->stage_size - HDR)
+            break;
+        rc = fill(l, HDR + h.length, deadline, 0);
+        if (rc == RPM_LANE_CLOSED)
+            rc = RPM_LANE_TRUNCATED;
+        if (!rc)
+            rc = do_flush(l, &h, r, deadline);
+        break;
+    default:
+        break;
+    }
+out:
+    unhold(r);
+    return rc;
+}
+
+int rpm_lane_serve(struct rpm_lane *l)
+{
+    l->err = 0;
+    for (;;) {
+        /* A header begun but not finished is a frame in progress, not an idle lane. */
+        int idle = l->end == l->start;
+        int rc = fill(l, HDR, deadline_after(idle ? l->idle_ms : l->frame_ms), idle);
+        if (rc)
+            return rc == RPM_LANE_CLOSED && l->end > l->start ? RPM_LANE_TRUNCATED : rc;
+        rc = serve_one(l, deadline_after(l->frame_ms));
+        if (rc)
+            return rc;
+    }
+}
+
+/* ---- initiator side -------------------------------------------------------------------- */
+
+int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n, int spin_us)
+{
+    uint64_t until = now_ns() + (uint64_t)(spin_us > 0 ? spin_us : 0) * 1000u;
+    int done = 0;
+    for (;;) {
+        for (int i = 0; i < n; i++) {
+            if (ready[i])
+                continue;
+            int avail = 0;
+            if (ioctl(fds[i], FIONREAD, &avail) < 0 || (uint32_t)avail >= want[i]) {
+                ready[i] = 1; /* an error is for the caller's read to report */
+                done++;
+            }
+        }
+        if (done == n || now_ns() >= until)
+            return done;
+        sched_yield();
+    }
+}

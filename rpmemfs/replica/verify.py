@@ -1,0 +1,167 @@
+"""Compare a pool with its replicas by chunk checksums: only checksums cross the wire.
+
+Each target computes CRC-32C of consecutive chunks of its own copy (a control request; the
+software form of the RDMA Verify operation the seeds describe) while the same is computed
+here over the local pool, and the lists are compared. The pool must not be mounted: a live
+mount writes into its pool before the fsync that would make a replica catch up, so the two
+legitimately differ until then.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from rpmemfs.native import crc32c
+from rpmemfs.replica.spec import ReplicaSpec
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
+from rpmemfs.transport.tcp import connect
+
+DEFAULT_CHUNK = 1 << 20
+# Chunks asked for per request: the reply stays small and progress moves often.
+CHUNKS_PER_REQUEST = 256
+
+
+@dataclass
+class ReplicaReport:
+    replica: str
+    error: str | None = None
+    chunks: int = 0
+    differing: list[tuple[int, int]] = field(default_factory=list)  # (offset, length)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "error": self.error,
+            "chunks": self.chunks,
+            "differing": [{"offset": o, "length": n} for o, n in self.differing],
+        }
+
+
+@dataclass
+class VerifyReport:
+    pool: str
+    size: int
+    chunk: int
+    seconds: float = 0.0
+    replicas: list[ReplicaReport] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return all(r.error is None and not r.differing for r in self.replicas)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool, "size": self.size, "chunk": self.chunk, "clean": self.clean,
+            "seconds": round(self.seconds, 3), "replicas": [r.as_dict() for r in self.replicas],
+        }
+
+
+def local_crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
+    return [crc32c(buf[p : min(p + chunk, offset + length)]) for p in range(offset, offset + length, chunk)]
+
+
+async def verify_replica(
+    spec: ReplicaSpec, buf: memoryview, token: bytes | None, chunk: int,
+    progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT,
+) -> ReplicaReport:
+    report = ReplicaReport(str(spec))
+    size = len(buf)
+    try:
+        async with await connect(spec.address, token, lanes=0, timeout=timeout) as session:
+            region = await session.open_pool(spec.name)
+            if region.size != size:
+                report.error = f"remote pool is {region.size} bytes, the local pool {size}"
+                return report
+            step = chunk * CHUNKS_PER_REQUEST
+            for off in range(0, size, step):
+                length = min(step, size - off)
+                with trio.fail_after(timeout):
+                    theirs = await session.checksum(region, off, length, chunk)
+                ours = await trio.to_thread.run_sync(local_crcs, buf, off, length, chunk)
+                for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                    if a != b:
+                        start = off + i * chunk
+                        n = min(chunk, size - start)
+                        last = report.differing[-1] if report.differing else None
+                        if last and last[0] + last[1] == start:
+                            report.differing[-1] = (last[0], last[1] + n)
+                        else:
+                            report.differing.append((start, n))
+                report.chunks += len(ours)
+                progress(length)
+    except TransportError as exc:
+        report.error = str(exc)
+    except trio.TooSlowError:
+        report.error = f"no checksum reply within {timeout:g}s"
+    return report
+
+
+class Progress:
+    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.what = what
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self._tty and (now - self._last > 0.2 or self.done >= self.total):
+            self._last = now
+            pct = 100 * self.done / self.total
+            bar = "#" * int(pct / 5)
+            print(f"\r{self.what} [{bar:<20}] {pct:5.1f}%", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._tty:
+            print(file=sys.stderr)
+
+
+async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: bytes | None,
+                 chunk: int = DEFAULT_CHUNK) -> VerifyReport:
+    """Every replica compared with the local pool, in parallel."""
+    report = VerifyReport(pool, len(buf), chunk)
+    progress = Progress(len(buf) * len(specs), "verify")
+    t0 = time.monotonic()
+    results: dict[int, ReplicaReport] = {}
+
+    async def one(i: int, spec: ReplicaSpec) -> None:
+        results[i] = await verify_replica(spec, buf, token, chunk, progress)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i, spec in enumerate(specs):
+                nursery.start_soon(one, i, spec)
+    finally:
+        progress.close()
+    report.replicas = [results[i] for i in range(len(specs))]
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def format_report(report: VerifyReport) -> str:
+    lines = [f"pool {report.pool}: {report.size} bytes, chunks of {report.chunk} bytes, "
+             f"{len(report.replicas)} replicas, {report.seconds:.2f} s"]
+    for r in report.replicas:
+        if r.error:
+            lines.append(f"  {r.replica}: NOT VERIFIED: {r.error}")
+        elif not r.differing:
+            lines.append(f"  {r.replica}: identical ({r.chunks} chunks)")
+        else:
+            total = sum(n for _, n in r.differing)
+            lines.append(f"  {r.replica}: DIFFERS in {len(r.differing)} ranges, {total} bytes "
+                         f"(of {r.chunks} chunks):")
+            lines += [f"    offset {o} length {n}" for o, n in r.differing[:50]]
+            if len(r.differing) > 50:
+                lines.append(f"    ... {len(r.differing) - 50} more")
+    lines.append("clean" if report.clean else "NOT CLEAN")
+    return "\n".join(lines)
