@@ -309,9 +309,9 @@ static int do_read(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r
     /* Everything earlier on the lane is placed; under apm it must also be persistent. */
     if (l->apm)
         rpm_drain();
-    int rc = reply(l, OP_READ_RESP, h->id, r->base + h->offset, h->length, deadline);
+    /* Counted before the reply, so a peer that saw the answer also sees it counted. */
     rpm_count(h->flags & F_FLUSH ? &r->counters->flushes : &r->counters->reads, 1);
-    return rc;
+    return reply(l, OP_READ_RESP, h->id, r->base + h->offset, h->length, deadline);
 }
 
 static void do_atomic(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r)
@@ -422,9 +422,13 @@ int rpm_lane_serve(struct rpm_lane *l)
 {
     l->err = 0;
     for (;;) {
-        /* A header begun but not finished is a frame in progress, not an idle lane. */
-        int idle = l->end == l->start;
-        int rc = fill(l, HDR, deadline_after(idle ? l->idle_ms : l->frame_ms), idle);
+        /* Idle until the first byte of a header; from then on a frame is in progress and
+         * the rest of it must come within the frame deadline. */
+        int rc = 0;
+        if (l->end == l->start)
+            rc = fill(l, 1, deadline_after(l->idle_ms), 1);
+        if (!rc)
+            rc = fill(l, HDR, deadline_after(l->frame_ms), 0);
         if (rc)
             return rc == RPM_LANE_CLOSED && l->end > l->start ? RPM_LANE_TRUNCATED : rc;
         rc = serve_one(l, deadline_after(l->frame_ms));

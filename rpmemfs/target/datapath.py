@@ -126,6 +126,9 @@ class FrameLoop:
         try:
             while True:
                 if self._native is not None:
+                    # The C loop keeps its own deadlines; one armed for a frame this loop
+                    # waited on must not outlive that frame.
+                    self._io.arm(math.inf)
                     await self._serve_native()
                 await self._serve_one()
         except _Deadline:
