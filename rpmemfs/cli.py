@@ -1,4 +1,4 @@
-"""The `rpmemfs` command: mkfs, mount, status, check, bench, demo."""
+"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, bench, demo."""
 
 from __future__ import annotations
 
@@ -131,16 +131,25 @@ def _mounted_from(pool: str) -> str | None:
     return None
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    import trio
+def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
+    """A long request to a mount's daemon, with a progress bar from its progress lines."""
+    from rpmemfs import control
 
-    from rpmemfs.pmem import PmemError, PoolMapping
+    show = _progress(label)
+    try:
+        reply = control.query(mountpoint, request, timeout=None, progress=show)
+    except (OSError, ValueError) as e:
+        raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
+    if "error" in reply and len(reply) == 1:
+        raise CliError(str(reply["error"]))
+    return reply
+
+
+def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
+    """(pool file, replicas from a pool-set file or None) for a command on an unmounted pool."""
     from rpmemfs.replica.spec import PoolSetError, is_poolset, read_poolset
-    from rpmemfs.replica.table import inspect_table
-    from rpmemfs.replica.verify import format_report, verify
-    from rpmemfs.units import parse_size
 
-    pool, specs = args.pool, None
+    pool, specs = path, None
     if os.path.isfile(pool) and is_poolset(pool):
         try:
             ps = read_poolset(pool)
@@ -148,35 +157,120 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise CliError(str(e)) from None
         pool, specs = ps.path, ps.replicas
     if not os.path.isfile(pool):
-        raise CliError(f"pool {pool} does not exist or is not a file (verify takes a pool, not a mount)")
+        raise CliError(f"{path} is neither a pool file nor a mount point")
     where = _mounted_from(pool)
     if where:
-        raise CliError(f"pool {pool} is mounted at {where}: unmount it first (a live mount's pool runs "
-                       "ahead of its replicas until the next fsync)")
+        raise CliError(f"pool {pool} is mounted at {where}: {what} the mount point instead "
+                       f"(rpmemfs {what} {where})")
+    return pool, specs
+
+
+def _chunk(text: str) -> int:
+    from rpmemfs.units import parse_size
+
     try:
-        chunk = parse_size(args.chunk)
+        chunk = parse_size(text)
     except ValueError as e:
         raise CliError(str(e)) from None
     if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
         raise CliError("--chunk must be a multiple of 4K, at most 64M")
-    try:
-        pm = PoolMapping.open(pool, "msync", readonly=True)
-    except PmemError as e:
-        raise CliError(str(e)) from None
-    try:
-        table = inspect_table(pm.buf)
-        specs = specs if specs is not None else table.replicas
-        if not specs:
-            raise CliError(f"pool {pool} has no replicas to verify")
-        token = _token(args.token_file or table.token_file)
-        report = trio.run(verify, pool, pm.buf, specs, token, chunk)
-    finally:
+    return chunk
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.pmem import PmemError, PoolMapping
+    from rpmemfs.replica.table import inspect_table
+    from rpmemfs.replica.verify import format_report, report_from_dict, verify
+
+    chunk = _chunk(args.chunk)
+    if os.path.isdir(args.pool) and os.path.ismount(args.pool):
+        report = report_from_dict(_ask_mount(args.pool, f"verify {chunk}", "verify"))
+    else:
+        pool, specs = _unmounted_pool(args.pool, "verify")
         try:
-            pm.close()
-        except BufferError:
-            pass  # a view is still referenced; the process exits and unmaps anyway
+            pm = PoolMapping.open(pool, "msync", readonly=True)
+        except PmemError as e:
+            raise CliError(str(e)) from None
+        try:
+            table = inspect_table(pm.buf)
+            specs = specs if specs is not None else table.replicas
+            if not specs:
+                raise CliError(f"pool {pool} has no replicas to verify")
+            token = _token(args.token_file or table.token_file)
+            report = trio.run(verify, pool, pm.buf, specs, token, chunk)
+        finally:
+            try:
+                pm.close()
+            except BufferError:
+                pass  # a view is still referenced; the process exits and unmaps anyway
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.clean else 1
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.pmem import PmemError, PoolMapping
+    from rpmemfs.replica.repair import RepairError, format_sync, sync_pool
+    from rpmemfs.replica.table import inspect_table
+    from rpmemfs.replica.verify import Progress, content_size
+
+    if os.path.isdir(args.pool) and os.path.ismount(args.pool):
+        result = _ask_mount(args.pool, "sync", "sync")
+    else:
+        pool, specs = _unmounted_pool(args.pool, "sync")
+        try:
+            pm = PoolMapping.open(pool, "msync", exclusive=True)
+        except PmemError as e:
+            raise CliError(str(e)) from None
+        try:
+            table = inspect_table(pm.buf)
+            specs = specs if specs is not None else table.replicas
+            if not specs:
+                raise CliError(f"pool {pool} has no replicas to sync")
+            token = _token(args.token_file or table.token_file)
+            bar = Progress(content_size(pm.buf) * len(specs), "sync")
+            try:
+                result = trio.run(sync_pool, pool, pm, specs, token, bar).as_dict()
+            except RepairError as e:
+                raise CliError(str(e)) from None
+            finally:
+                bar.close()
+        finally:
+            try:
+                pm.close()
+            except BufferError:
+                pass
+    print(json.dumps(result, indent=2) if args.json else format_sync(result))
+    return 0 if result.get("clean") else 1
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.replica.repair import RepairError, recover_pool
+    from rpmemfs.replica.spec import ReplicaSpec
+
+    if _mounted_from(args.pool):
+        raise CliError(f"pool {args.pool} is mounted; unmount it before replacing it")
+    try:
+        source = ReplicaSpec.parse(args.source)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    token = _token(args.token_file)
+    try:
+        result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
+                                               progress=_progress("recover")))
+    except RepairError as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"recovered {result['pool']} from {result['from']}: {result['bytes']} bytes, "
+              f"{result['chunks_verified']} chunks verified by checksum, {result['seconds']:.2f} s")
+    return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -241,17 +335,35 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("verify", help="compare an unmounted pool with its replicas by chunk checksums")
-    s.add_argument("pool", help="pool file or pool-set file")
+    s = sub.add_parser("verify", help="compare a pool with its replicas by chunk checksums")
+    s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
     s.add_argument("--chunk", default="1M", help="checksum chunk size (default 1M)")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_verify)
 
+    s = sub.add_parser("sync", help="verify-and-repair: send each replica the chunks that differ")
+    s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
+    s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_sync)
+
+    s = sub.add_parser("recover", help="rebuild a lost or damaged local pool from a replica")
+    s.add_argument("pool", help="the pool file to write")
+    s.add_argument("--from", dest="source", required=True, metavar="HOST:PORT/NAME")
+    s.add_argument("--token-file", help="token for the target")
+    s.add_argument("--force", action="store_true", help="replace an existing file")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_recover)
+
     s = sub.add_parser("bench", help="benchmarks vs pass-through FUSE filesystems and the plain dir",
                        add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("soak", help="writers against two replicas while targets are killed; "
+                       "then every acknowledged write is checked (see `rpmemfs soak --help`)", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
 
     s = sub.add_parser("target", help="the replica-node daemon (see `rpmemfs target --help`)",
                        add_help=False)
@@ -276,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         from rpmemfs import bench
 
         return bench.main(argv[1:])
+    if argv[:1] == ["soak"]:
+        # Writers, faults and a final check of every acknowledged write; its own options.
+        from rpmemfs import soak
+
+        return soak.main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level)
     try:

@@ -82,7 +82,7 @@ class Operations(pyfuse3.Operations):
         self.xattrs = xattrs
         # Set by the replication layer: places the barrier's ranges on the replicas.
         self.replicate: Callable[[list[tuple[int, int]]], Awaitable[None]] | None = None
-        self._barrier_lock = trio.Lock()
+        self.barrier_lock = trio.Lock()
         self.stats = Stats()
         self.describe = describe
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
@@ -121,7 +121,7 @@ class Operations(pyfuse3.Operations):
         else:
             # One barrier at a time, so they complete in log order: a later barrier's
             # records are useless on a replica that misses an earlier one.
-            async with self._barrier_lock:
+            async with self.barrier_lock:
                 b = self.fs.begin_barrier()
                 if b.ranges:
                     try:

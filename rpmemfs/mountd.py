@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyfuse3
@@ -17,13 +18,16 @@ import trio
 
 from rpmemfs import control, logs
 from rpmemfs.fs.filesystem import Filesystem
-from rpmemfs.fs.layout import BLOCK, PoolFormatError
+from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, PoolFormatError, next_epoch
+from rpmemfs.fs.syncmap import SyncMap
 from rpmemfs.fuse import Operations
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
 from rpmemfs.replica import ReplicaSet
 from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
 from rpmemfs.replica.table import inspect_table, write_table
+from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
 from rpmemfs.transport.auth import TokenError, read_token_file
+from rpmemfs.transport.base import TransportError
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -116,7 +120,7 @@ class Mounted:
         self.control_path = control.socket_path(self.mountpoint)
         t0 = time.perf_counter()
         try:
-            self.mapping = PoolMapping.open(self.pool, mo.pmem)
+            self.mapping = PoolMapping.open(self.pool, mo.pmem, exclusive=True)
         except PmemError as e:
             raise MountError(str(e)) from None
         failure = ""
@@ -139,14 +143,29 @@ class Mounted:
         self.specs = poolset_specs if poolset_specs is not None else table.replicas
         self.token_file = mo.token_file or table.token_file
         self.table_token_file = table.token_file
-        # Replicas that missed barriers in an earlier session: never trusted as in sync
-        # again until repaired (resync is still to come), so they are not even connected.
+        # Replicas that missed barriers: the table says so to anyone who reads the pool; the
+        # sync map below says what each one misses.
         self.stale = {s for s in table.stale if s in {str(x) for x in self.specs}}
         self.min_replicas = len(self.specs) if mo.min_replicas is None else mo.min_replicas
         if self.min_replicas > len(self.specs):
             self.mapping.close()
             raise MountError(f"min_replicas={self.min_replicas} but the pool has only "
                              f"{len(self.specs)} replicas")
+        # A new epoch for this mount, so that a replica that was mounted elsewhere meanwhile
+        # (a failover) refuses this initiator instead of being overwritten by it.
+        self.syncmap = SyncMap(self.mapping.buf, self.fs.hdr, self.mapping.persist)
+        self.prev_epoch = self.fs.hdr.epoch
+        self.fs.hdr = replace(self.fs.hdr, epoch=next_epoch(self.prev_epoch, secrets.randbits(32)))
+        raw = self.fs.hdr.encode()
+        for off in (BACKUP_OFF, HEADER_OFF):
+            self.mapping.buf[off : off + len(raw)] = raw
+        self.header_ranges = [(BACKUP_OFF, len(raw)), (HEADER_OFF, len(raw))]
+        self.mapping.persist(self.header_ranges)
+        if not self.syncmap.reliable and self.specs:
+            log.warning("pool %s was not unmounted cleanly (or its sync map is not its own): "
+                        "every replica is compared by checksums before it counts as in sync", self.pool)
+        self.syncmap.start(self.fs.hdr, len(self.specs))
+        self.clean = False  # set when the last barrier reached every in-sync replica
         self.replicas: ReplicaSet | None = None
         self._mounted = False
         self.open_seconds = time.perf_counter() - t0
@@ -181,15 +200,10 @@ class Mounted:
         }
 
     def _replica_status(self) -> list[dict[str, Any]]:
-        connected = self.replicas.status() if self.replicas else []
-        seen = {f"{r['address']}/{r['name']}" for r in connected}
-        for r in connected:
-            if r["state"] != "in-sync" and f"{r['address']}/{r['name']}" in self.stale:
-                r["state"] = "stale"
-        return connected + [
-            {"address": s.address, "name": s.name,
-             "state": "stale" if str(s) in self.stale else "not connected"}
-            for s in self.specs if str(s) not in seen]
+        if self.replicas is not None:
+            return self.replicas.status()
+        return [{"address": s.address, "name": s.name,
+                 "state": "stale" if str(s) in self.stale else "connecting"} for s in self.specs]
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
@@ -212,49 +226,38 @@ class Mounted:
         self._populator.start()
 
     async def connect_replicas(self) -> None:
-        """Open every recorded replica; MountError when fewer than min_replicas are usable."""
-        live = [s for s in self.specs if str(s) not in self.stale]
-        for s in self.stale:
-            log.error("replica %s missed writes in an earlier session; left out until repaired", s)
+        """Open every recorded replica and bring it up to date; MountError when fewer than
+        min_replicas end up in sync. Those left out are retried in the background."""
         if not self.specs:
             return
-        if not live:
-            if self.min_replicas > 0:
-                raise MountError(f"0 of {len(self.specs)} replicas usable, min_replicas="
-                                 f"{self.min_replicas}: all are stale ({', '.join(sorted(self.stale))})")
-            self._mark_stale({str(s) for s in self.specs})
-            return
-        if len(live) < self.min_replicas:
-            raise MountError(f"{len(live)} of {len(self.specs)} replicas usable, min_replicas="
-                             f"{self.min_replicas}: stale: {', '.join(sorted(self.stale))}")
         try:
             token = read_token_file(self.token_file) if self.token_file else None
         except (TokenError, OSError) as e:
             raise MountError(f"token file {self.token_file}: {e}") from None
-        rs = await ReplicaSet.open(live, self.mapping.buf, self.fs.hdr.uuid, token,
-                                   timeout=self.mo.replica_timeout, min_replicas=self.min_replicas)
+        rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
+                                   timeout=self.mo.replica_timeout, min_replicas=self.min_replicas,
+                                   syncmap=self.syncmap, lock=self.ops.barrier_lock,
+                                   epoch=(self.prev_epoch, self.fs.hdr.epoch))
         usable = len(rs.in_sync)
         if usable < self.min_replicas:
             why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"
                             for r in rs.status() if r["state"] != "in-sync")
             await rs.aclose()
-            if self.stale:
-                why += "; stale: " + ", ".join(sorted(self.stale))
             raise MountError(f"{usable} of {len(self.specs)} replicas usable, min_replicas="
                              f"{self.min_replicas}: {why}")
         if usable == 0:
-            log.warning("mounting %s alone: no replica is reachable (min_replicas=0)", self.pool)
-            await rs.aclose()
-            # Writes from now on reach no replica: none may pass for in sync later.
-            self._mark_stale({str(s) for s in self.specs})
-            return
+            log.warning("mounting %s alone: no replica is usable now (min_replicas=0); "
+                        "retrying them in the background", self.pool)
         for r in rs.status():
             if r["state"] != "in-sync":
-                log.error("replica %s/%s left out: %s", r["address"], r["name"], r["last_error"])
+                log.error("replica %s/%s left out for now: %s", r["address"], r["name"], r["last_error"])
         self.replicas = rs
+        rs.on_change = self._note_stale
         self.fs.replicated = True
         self.ops.replicate = self._replicate
-        self._note_stale()  # replicas that did not open missed nothing yet, but will
+        # The new epoch reaches the replicas with the first barrier.
+        self.fs.for_replicas.extend(self.header_ranges)
+        self._note_stale()
 
     async def _replicate(self, ranges: list[tuple[int, int]]) -> None:
         assert self.replicas is not None
@@ -266,19 +269,91 @@ class Mounted:
             self._note_stale()
 
     def _note_stale(self) -> None:
+        """Record in the pool's replica table which replicas are out of sync now."""
         assert self.replicas is not None
-        self._mark_stale({f"{r['address']}/{r['name']}" for r in self.replicas.status()
-                          if r["state"] != "in-sync"})
-
-    def _mark_stale(self, behind: set[str]) -> None:
-        """Record in the pool that these replicas miss writes from now on."""
-        if behind <= self.stale:
+        behind = {str(r.spec) for r in self.replicas.replicas if r.state != "in-sync"}
+        if behind == self.stale:
             return
-        self.stale |= behind
-        log.error("replicas now stale (missed writes): %s", ", ".join(sorted(behind)))
-        ranges = write_table(self.mapping.buf, self.specs, self.table_token_file,
-                             sorted(self.stale))
+        if behind - self.stale:
+            log.error("replicas now out of sync: %s", ", ".join(sorted(behind - self.stale)))
+        self.stale = behind
+        ranges = write_table(self.mapping.buf, self.specs, self.table_token_file, sorted(self.stale))
         self.fs.persist_outside_barrier(ranges)
+
+    def control_handlers(self) -> dict[str, control.Handler]:
+        async def status(args: list[str], send: control.Send) -> dict[str, Any]:
+            return self.describe()
+
+        return {"status": status, "verify": self._verify, "sync": self._sync}
+
+    async def _with_progress(self, total: int, send: control.Send,
+                             work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]
+                             ) -> dict[str, Any]:
+        """Run ``work`` while progress lines go to the asker twice a second."""
+        done = [0]
+
+        def count(n: int) -> None:
+            done[0] += n
+
+        async def ticker() -> None:
+            while True:
+                await trio.sleep(0.5)
+                await send({"progress": done[0], "total": total})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            result = await work(count)
+            nursery.cancel_scope.cancel()
+        return result
+
+    async def _verify(self, args: list[str], send: control.Send) -> dict[str, Any]:
+        """`rpmemfs verify MOUNTPOINT`: the live pool against every replica."""
+        rs = self.replicas
+        if rs is None:
+            return {"error": f"{self.pool} has no replicas to verify"}
+        try:
+            chunk = int(args[0]) if args else DEFAULT_CHUNK
+        except ValueError:
+            return {"error": f"bad chunk size {args[0]!r}"}
+        if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
+            return {"error": "the chunk must be a multiple of 4K, at most 64M"}
+        t0 = time.monotonic()
+
+        async def work(count: Callable[[int], None]) -> dict[str, Any]:
+            report = VerifyReport(self.pool, len(self.mapping.buf), chunk)
+            report.replicas = await rs.verify(chunk, self.ops.durable, count)
+            report.seconds = time.monotonic() - t0
+            return report.as_dict()
+
+        return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
+
+    async def _sync(self, args: list[str], send: control.Send) -> dict[str, Any]:
+        """`rpmemfs sync MOUNTPOINT`: verify-and-repair of every in-sync replica now; the
+        others are compared in full when they are back."""
+        rs = self.replicas
+        if rs is None:
+            return {"error": f"{self.pool} has no replicas to sync"}
+        t0 = time.monotonic()
+
+        async def work(count: Callable[[int], None]) -> dict[str, Any]:
+            results: list[dict[str, Any]] = []
+            for r in rs.replicas:
+                entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state}
+                if r.state == "in-sync":
+                    try:
+                        entry.update(await rs.repair(r, count))
+                    except (TransportError, trio.TooSlowError) as exc:
+                        entry["error"] = f"repair failed, the replica is stale now: {exc}"
+                        self._note_stale()
+                else:
+                    self.syncmap.set_full(r.slot)
+                    entry["error"] = (f"not in sync ({r.state}: {r.last_error}); it is compared in "
+                                      "full when it is back")
+                results.append(entry)
+            return {"pool": self.pool, "seconds": round(time.monotonic() - t0, 3), "replicas": results,
+                    "clean": all("error" not in e for e in results)}
+
+        return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
 
     async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
         await self.connect_replicas()
@@ -286,7 +361,9 @@ class Mounted:
         ready()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._signals, nursery.cancel_scope)
-            await nursery.start(control.serve, self.control_path, self.describe)
+            if self.replicas is not None:
+                nursery.start_soon(self.replicas.keep)
+            await nursery.start(control.serve, self.control_path, self.control_handlers())
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         await self._last_barrier()
@@ -298,6 +375,8 @@ class Mounted:
             if self.fs.log.used > self.fs.log.capacity // 4:
                 self.fs.checkpoint()
                 await self.ops.durable()
+            # Every in-sync replica has all of the pool, the others' misses are in the map.
+            self.clean = True
         except Exception as e:
             log.error("final durability point failed: %s", e)
         if self.replicas is not None:
@@ -316,6 +395,8 @@ class Mounted:
             self._populator.join()
         try:
             self.fs.sync()  # local only: replicas were served by _last_barrier, if at all
+            if self.clean or not self.specs:
+                self.syncmap.finish()
         finally:
             if self._mounted:
                 pyfuse3.close(unmount=True)

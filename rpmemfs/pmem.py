@@ -10,6 +10,7 @@ Three kinds of mapping exist, after what the file system and the caller allow:
 """
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -104,7 +105,10 @@ class PoolMapping:
         return self._base
 
     @classmethod
-    def open(cls, path: str, mode: str = "auto", readonly: bool = False) -> Self:
+    def open(cls, path: str, mode: str = "auto", readonly: bool = False, exclusive: bool = False) -> Self:
+        """Map the pool file. ``exclusive``: hold an advisory lock on it for as long as the
+        mapping lives (mmap keeps a duplicate of the descriptor, and the lock with it), so
+        that a mount and a target daemon never write the same pool as two primaries."""
         if mode not in PMEM_MODES:
             raise ValueError(f"pmem mode must be one of {PMEM_MODES}, not {mode!r}")
         try:
@@ -112,6 +116,12 @@ class PoolMapping:
         except OSError as exc:
             raise PmemError(f"cannot open pool {path}: {exc.strerror}") from exc
         try:
+            if exclusive:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise PmemError(f"pool {path} is in use: mounted, or open in a target daemon "
+                                    "as a replica") from None
             size = os.fstat(fd).st_size
             if size == 0:
                 raise PmemError(f"pool {path} is empty: create it at its full size first")

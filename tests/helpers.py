@@ -469,3 +469,11 @@ def identify(chunk: bytes) -> str:
         _m, fid, off, ver = _STAMP.unpack_from(chunk, i)
         return f"stamped data of file id {fid}, file offset {off}, version {ver} (found at +{i})"
     return f"unrecognised bytes {chunk[:32].hex()}..."
+
+
+def pool_content(path: Path) -> bytes:
+    """What replicas of a pool hold: the pool without its node-local sync map."""
+    from rpmemfs.fs.layout import Header
+
+    raw = path.read_bytes()
+    return raw[: Header.decode(raw[:4096]).map_off]

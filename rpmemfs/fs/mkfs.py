@@ -20,6 +20,7 @@ from rpmemfs.fs.layout import (
     plan,
 )
 from rpmemfs.fs.replay import ROOT_INO
+from rpmemfs.fs.syncmap import format_map
 from rpmemfs.pmem import PoolMapping
 
 
@@ -89,7 +90,7 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         raw = hdr.encode()
         buf[BACKUP_OFF: BACKUP_OFF + len(raw)] = raw
         buf[HEADER_OFF: HEADER_OFF + len(raw)] = raw
-        pm.persist([(0, hdr.data_off)])
+        pm.persist([(0, hdr.data_off), *format_map(buf, hdr)])
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,8 +1,9 @@
 """One replica: its session, lanes and registered pool, its state, and its counters.
 
-The state machine is small on purpose for now: "connecting" until the pool is open and
-checked, then "in-sync" until anything goes wrong, then "failed" for good. Resync and rejoin
-come later; until then a failed replica is simply left out of every barrier.
+States: "connecting" until its first connection attempt ends; "in-sync" while it receives
+every barrier; "stale" when it misses them (unreachable, or a barrier failed on it), with
+what it misses marked in the pool's sync map; "resyncing" while it is sent what it missed.
+Only in-sync replicas count for ``min_replicas``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import trio
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import BytesLike, Lane, Method, RemoteRegion, Session, Ticket, TransportError
 
-State = Literal["in-sync", "failed", "connecting"]
+State = Literal["connecting", "in-sync", "stale", "resyncing"]
 
 
 @dataclass(slots=True)
@@ -35,8 +36,9 @@ class Posted:
 class Replica:
     """A replica pool on a target, as the initiator sees it."""
 
-    def __init__(self, spec: ReplicaSpec) -> None:
+    def __init__(self, spec: ReplicaSpec, slot: int = 0) -> None:
         self.spec = spec
+        self.slot = slot  # its bitmap in the pool's sync map
         self.session: Session | None = None
         self.lanes: list[Lane] = []
         self.region: RemoteRegion | None = None
@@ -47,26 +49,40 @@ class Replica:
         self.flushes = 0
         self.bytes = 0
         self.last_error: str | None = None
+        self.resyncs = 0
+        self.resync: dict[str, Any] | None = None  # progress of the resync under way
+        self.last_resync: dict[str, Any] | None = None  # summary of the last one
         self._free: deque[Lane] = deque()
         self._slots = trio.Semaphore(0)
+        # Set whenever the replica falls out of sync: its keeper reconnects it.
+        self.fell_behind = trio.Event()
 
     def attach(self, session: Session, region: RemoteRegion) -> None:
-        """Take the session's lanes for barriers; the replica is in sync from now on."""
+        """Take the session's lanes; the caller brings the replica in sync (see ReplicaSet)."""
         self.session = session
         self.region = region
         self.method = region.method
         self.lanes = list(session.lanes)
         self._free = deque(self.lanes)
         self._slots = trio.Semaphore(len(self.lanes))
-        self.state = "in-sync" if self.lanes else "failed"
         if not self.lanes:
-            self.last_error = f"replica {self.spec}: the session has no lanes"
+            self.fail("the session has no lanes")
 
     def fail(self, reason: str) -> None:
+        """The replica misses writes from now on (its keeper will reconnect it)."""
         # The first error is the cause; later ones are usually its echoes on other lanes.
-        if self.state != "failed":
-            self.state = "failed"
-            self.last_error = reason if reason.startswith("replica ") else f"replica {self.spec}: {reason}"
+        if self.state != "stale":
+            self.state = "stale"
+            self.note(reason)
+            self.fell_behind.set()
+
+    def note(self, reason: str) -> None:
+        self.last_error = reason if reason.startswith("replica ") else f"replica {self.spec}: {reason}"
+
+    def joined(self) -> None:
+        """In sync again: every barrier from now on reaches it."""
+        self.state = "in-sync"
+        self.fell_behind = trio.Event()
 
     @asynccontextmanager
     async def lane(self) -> AsyncIterator[Lane]:
@@ -188,6 +204,10 @@ class Replica:
             "state": self.state,
             "method": self.method,
             "lanes": len(self.lanes),
+            "slot": self.slot,
+            "resyncs": self.resyncs,
+            "resync": self.resync,
+            "last_resync": self.last_resync,
             "barriers": self.barriers,
             "writes": self.writes,
             "flushes": self.flushes,
@@ -198,6 +218,7 @@ class Replica:
     async def aclose(self, timeout: float) -> None:
         """Close the session; a dead or slow target cannot hold this up past ``timeout``."""
         session, self.session = self.session, None
+        self.region = None
         self.lanes, self._free = [], deque()
         if session is None:
             return

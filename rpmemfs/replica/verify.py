@@ -17,9 +17,11 @@ from typing import Any
 
 import trio
 
+from rpmemfs.fs.filesystem import read_header
+from rpmemfs.fs.layout import PoolFormatError
 from rpmemfs.native import crc32c
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.tcp import connect
 
 DEFAULT_CHUNK = 1 << 20
@@ -62,8 +64,53 @@ class VerifyReport:
         }
 
 
+def report_from_dict(doc: dict[str, Any]) -> VerifyReport:
+    """A report as a mount's daemon sent it over its control socket."""
+    report = VerifyReport(doc["pool"], doc["size"], doc["chunk"], doc["seconds"])
+    for r in doc["replicas"]:
+        report.replicas.append(ReplicaReport(r["replica"], r["error"], r["chunks"],
+                                             [(d["offset"], d["length"]) for d in r["differing"]]))
+    return report
+
+
 def local_crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
     return [crc32c(buf[p : min(p + chunk, offset + length)]) for p in range(offset, offset + length, chunk)]
+
+
+async def differing_chunks(
+    session: Session, region: RemoteRegion, buf: memoryview, spans: list[tuple[int, int]], chunk: int,
+    progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[int, list[tuple[int, int]]]:
+    """(chunks compared, merged (offset, length) runs that differ) within ``spans``."""
+    runs: list[tuple[int, int]] = []
+    count = 0
+    step = chunk * CHUNKS_PER_REQUEST
+    for first, span in spans:
+        end = first + span
+        for off in range(first, end, step):
+            length = min(step, end - off)
+            with trio.fail_after(timeout):
+                theirs = await session.checksum(region, off, length, chunk)
+            ours = await trio.to_thread.run_sync(local_crcs, buf, off, length, chunk)
+            for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                if a != b:
+                    start = off + i * chunk
+                    n = min(chunk, end - start)
+                    if runs and runs[-1][0] + runs[-1][1] == start:
+                        runs[-1] = (runs[-1][0], runs[-1][1] + n)
+                    else:
+                        runs.append((start, n))
+            count += len(ours)
+            progress(length)
+    return count, runs
+
+
+def content_size(buf: memoryview) -> int:
+    """What replicas hold of a pool: all of it but the node-local sync map."""
+    try:
+        return read_header(buf)[0].map_off
+    except PoolFormatError:
+        return len(buf)
 
 
 async def verify_replica(
@@ -78,23 +125,8 @@ async def verify_replica(
             if region.size != size:
                 report.error = f"remote pool is {region.size} bytes, the local pool {size}"
                 return report
-            step = chunk * CHUNKS_PER_REQUEST
-            for off in range(0, size, step):
-                length = min(step, size - off)
-                with trio.fail_after(timeout):
-                    theirs = await session.checksum(region, off, length, chunk)
-                ours = await trio.to_thread.run_sync(local_crcs, buf, off, length, chunk)
-                for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-                    if a != b:
-                        start = off + i * chunk
-                        n = min(chunk, size - start)
-                        last = report.differing[-1] if report.differing else None
-                        if last and last[0] + last[1] == start:
-                            report.differing[-1] = (last[0], last[1] + n)
-                        else:
-                            report.differing.append((start, n))
-                report.chunks += len(ours)
-                progress(length)
+            report.chunks, report.differing = await differing_chunks(
+                session, region, buf, [(0, content_size(buf))], chunk, progress, timeout)
     except TransportError as exc:
         report.error = str(exc)
     except trio.TooSlowError:
@@ -130,7 +162,7 @@ async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: by
                  chunk: int = DEFAULT_CHUNK) -> VerifyReport:
     """Every replica compared with the local pool, in parallel."""
     report = VerifyReport(pool, len(buf), chunk)
-    progress = Progress(len(buf) * len(specs), "verify")
+    progress = Progress(content_size(buf) * len(specs), "verify")
     t0 = time.monotonic()
     results: dict[int, ReplicaReport] = {}
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs.fs.layout import epoch_gen, show_epoch
 from rpmemfs.native import crc32c
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pools import PoolError, PoolStore
@@ -23,6 +24,30 @@ log = logging.getLogger("rpmemfs.target.control")
 MIN_CHUNK = 4096
 MAX_CHUNK = 64 << 20
 MAX_CHUNKS = 4096
+
+
+def _epoch_pair(value: object) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and 0 <= v < 1 << 64 for v in value)):
+        raise PoolError("epoch must be [previous, current], two unsigned 64-bit integers", "request")
+    return value[0], value[1]
+
+
+def fence(pool_epoch: int | None, prev: int, cur: int) -> str | None:
+    """Why an initiator at ``cur`` (``prev`` before its mount) must not write this pool, or None.
+
+    The pool is fine when it is where this initiator left it (``prev``), already at ``cur``
+    (a reconnect within the same mount), or behind (an older generation: a stale replica,
+    which resync brings up to date). Anything else was mounted elsewhere since: a failover
+    made it a primary of its own, and writing over it would lose what it took.
+    """
+    if pool_epoch is None or pool_epoch in (prev, cur) or epoch_gen(pool_epoch) < epoch_gen(prev):
+        return None
+    return (f"the pool is at epoch {show_epoch(pool_epoch)}, but this initiator was at epoch "
+            f"{show_epoch(prev)} and is now at {show_epoch(cur)}: the pool was mounted elsewhere "
+            f"since (a failover?) and moved on; refusing to write over it")
 
 
 def _crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
@@ -89,7 +114,13 @@ class ControlService:
 
     def _open(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         name = check_name(request.get("name"))
+        epoch = _epoch_pair(request.get("epoch"))
         pool = self._store.open(name)
+        if epoch is not None:
+            refusal = fence(pool.epoch, *epoch)
+            if refusal:
+                self._store.release(pool)
+                raise PoolError(f"pool {name!r}: {refusal}", "epoch")
         if self._method == "apm" and not pool.mapping.is_pmem:
             self._store.release(pool)
             raise PoolError(

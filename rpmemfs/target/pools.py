@@ -6,9 +6,10 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from typing import Any
 
-from rpmemfs.fs.layout import Header, PoolFormatError
+from rpmemfs.fs.layout import BACKUP_OFF, HEADER_BYTES, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.target.names import pool_path
@@ -59,13 +60,33 @@ class Pool:
         self.refs = 0
         self.users = 0
         self._closing = False
+        # Page faults on first stores cost as much as the copy itself: a fresh replica
+        # would take them inside barriers. Fault the pool in from a thread (the C call
+        # drops the GIL) while the first barriers arrive.
+        self._populated = threading.Event()
+        self._populator = threading.Thread(target=mapping.populate, args=(self._populated,),
+                                           name=f"populate {name}", daemon=True)
+        self._populator.start()
 
     @property
     def uuid(self) -> bytes | None:
-        try:
-            return Header.decode(self.buf).uuid
-        except PoolFormatError:
-            return None
+        hdr = self.header
+        return hdr.uuid if hdr else None
+
+    @property
+    def epoch(self) -> int | None:
+        hdr = self.header
+        return hdr.epoch if hdr else None
+
+    @property
+    def header(self) -> Header | None:
+        """The pool header (primary copy, else the backup), or None while there is none."""
+        for off in (HEADER_OFF, BACKUP_OFF):
+            try:
+                return Header.decode(self.buf[off : off + HEADER_BYTES])
+            except PoolFormatError:
+                continue
+        return None
 
     def needs_thread(self, ranges: list[tuple[int, int]]) -> bool:
         return not self.mapping.is_pmem and sum(length for _, length in ranges) > THREAD_PERSIST_MIN
@@ -88,6 +109,8 @@ class Pool:
             self._finish_close()
 
     def _finish_close(self) -> None:
+        self._populated.set()
+        self._populator.join()
         try:
             # fsync writes back what is dirty, whatever the mapping kind, in proportion to
             # what is dirty rather than to the pool's size.
@@ -192,7 +215,7 @@ class PoolStore:
     def _map(self, name: str) -> Pool:
         path = pool_path(self.pool_dir, name, must_exist=True)
         try:
-            mapping = PoolMapping.open(path, self.pmem_mode)
+            mapping = PoolMapping.open(path, self.pmem_mode, exclusive=True)
         except PmemError as exc:
             raise PoolError(str(exc), "io") from exc
         # The checks above looked at a path; make sure what got mapped is still that file.

@@ -141,7 +141,9 @@ class Session(Protocol):
     async def create_pool(self, name: str, size: int) -> RemoteRegion:
         """Create a zero-filled pool of ``size`` bytes on the target and register it."""
 
-    async def open_pool(self, name: str) -> RemoteRegion: ...
+    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None) -> RemoteRegion:
+        """Register an existing pool. ``epoch`` = (the initiator's epoch before this mount,
+        its epoch now): the target refuses a pool that moved on past both (a failover)."""
 
     async def close_pool(self, region: RemoteRegion) -> None: ...
 

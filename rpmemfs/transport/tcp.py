@@ -317,8 +317,11 @@ class TcpSession:
     async def create_pool(self, name: str, size: int) -> RemoteRegion:
         return self._region(await self.control({"op": "create", "name": name, "size": size}))
 
-    async def open_pool(self, name: str) -> RemoteRegion:
-        return self._region(await self.control({"op": "open", "name": name}))
+    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None) -> RemoteRegion:
+        request: dict[str, Any] = {"op": "open", "name": name}
+        if epoch is not None:
+            request["epoch"] = list(epoch)
+        return self._region(await self.control(request))
 
     async def close_pool(self, region: RemoteRegion) -> None:
         await self.control({"op": "close", "key": region.key})

@@ -1,0 +1,181 @@
+"""Repairs of an unmounted pool: `rpmemfs sync POOL` and `rpmemfs recover POOL --from`.
+
+sync: every replica is compared with the local pool by chunk checksums (computed by each
+target over its own copy) and only the chunks that differ are sent; then the replica table
+and the sync map record the replicas as in sync again.
+
+recover: a lost or damaged local pool is rebuilt from one replica, read over a lane and
+checked against the target's checksums; the other replicas are marked for a full comparison,
+since nothing says how far each of them got.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from rpmemfs.fs.filesystem import read_header
+from rpmemfs.fs.layout import BLOCK, Header, PoolFormatError
+from rpmemfs.fs.syncmap import SyncMap, format_map
+from rpmemfs.pmem import PoolMapping
+from rpmemfs.replica.replica_set import ReplicaSet
+from rpmemfs.replica.spec import ReplicaSpec
+from rpmemfs.replica.table import inspect_table, write_table
+from rpmemfs.replica.verify import DEFAULT_CHUNK, differing_chunks
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
+from rpmemfs.transport.tcp import connect
+
+READ_STEP = 4 << 20  # bytes per read while recovering
+
+
+class RepairError(Exception):
+    """The repair could not be done; the message says why. The local pool is untouched, or,
+    for recover, not created."""
+
+
+@dataclass
+class SyncReport:
+    pool: str
+    seconds: float = 0.0
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return all(r.get("state") == "in-sync" for r in self.replicas)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool, "clean": self.clean, "seconds": round(self.seconds, 3),
+                "replicas": self.replicas}
+
+
+def format_sync(report: dict[str, Any]) -> str:
+    lines = [f"sync of {report['pool']}: {report['seconds']:.2f} s"]
+    for r in report["replicas"]:
+        if "error" in r:
+            lines.append(f"  {r['replica']}: NOT SYNCED: {r['error']}")
+        else:
+            lines.append(f"  {r['replica']}: {r.get('compared_chunks', 0)} chunks checked, "
+                         f"{r.get('differing_chunks', 0)} repaired, {r.get('bytes_sent', 0)} bytes sent")
+    lines.append("clean" if report.get("clean") else "NOT CLEAN")
+    return "\n".join(lines)
+
+
+async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], token: bytes | None,
+                    progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT) -> SyncReport:
+    """Verify-and-repair every replica of an unmounted pool."""
+    buf = mapping.buf
+    try:
+        hdr, _ = read_header(buf)
+    except PoolFormatError as exc:
+        raise RepairError(f"pool {pool}: {exc}") from None
+    t0 = time.monotonic()
+    syncmap = SyncMap(buf, hdr, mapping.persist)
+    for slot in range(len(specs)):
+        syncmap.set_full(slot)  # compare everything, whatever the map says
+    rs = await ReplicaSet.open(specs, buf, hdr.uuid, token, lanes=1, timeout=timeout, min_replicas=0,
+                               syncmap=syncmap, epoch=(hdr.epoch, hdr.epoch), progress=progress)
+    try:
+        table = inspect_table(buf)
+        stale = [str(r.spec) for r in rs.replicas if r.state != "in-sync"]
+        ranges = write_table(buf, specs, table.token_file, stale)
+        mapping.persist(ranges)
+        if rs.in_sync:
+            await rs.barrier(ranges)  # the table is part of the pool: replicas hold it too
+        if not stale:
+            syncmap.finish()
+    finally:
+        await rs.aclose()
+    report = SyncReport(pool, time.monotonic() - t0)
+    for r in rs.replicas:
+        entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state, **(r.last_resync or {})}
+        if r.state != "in-sync":
+            entry["error"] = r.last_error or r.state
+        report.replicas.append(entry)
+    return report
+
+
+def _create_file(path: str, size: int, force: bool) -> int:
+    if os.path.lexists(path) and not force:
+        raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)")
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(parent):
+        raise RepairError(f"directory {parent} does not exist")
+    existing = os.path.getsize(path) if os.path.isfile(path) else 0
+    free = shutil.disk_usage(parent).free + existing
+    if size > free:
+        raise RepairError(f"not enough free space in {parent}: the pool needs {size} bytes, {free} available")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        raise RepairError(f"cannot allocate {size} bytes for {path}: {exc.strerror}") from None
+    return fd
+
+
+async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
+                       progress: Callable[[int, int], None] | None = None,
+                       timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """Rebuild the local pool at ``pool`` from the replica ``source``."""
+    t0 = time.monotonic()
+    try:
+        async with await connect(source.address, token, lanes=1, timeout=timeout) as session:
+            region = await session.open_pool(source.name)
+            lane = session.lanes[0]
+            with trio.fail_after(timeout):
+                head = await lane.read(region, 0, 2 * BLOCK)
+            try:
+                hdr, _ = read_header(memoryview(head))
+            except PoolFormatError as exc:
+                raise RepairError(f"replica {source} holds no usable pool: {exc}") from None
+            if hdr.pool_size != region.size:
+                raise RepairError(f"replica {source}: header says {hdr.pool_size} bytes, the pool "
+                                  f"file is {region.size}")
+            fd = _create_file(pool, hdr.pool_size, force)
+            os.close(fd)
+            done = False
+            try:
+                with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
+                    buf = mapping.buf
+                    limit = hdr.map_off
+                    for off in range(0, limit, READ_STEP):
+                        n = min(READ_STEP, limit - off)
+                        with trio.fail_after(timeout):
+                            buf[off : off + n] = await lane.read(region, off, n)
+                        if progress:
+                            progress(off + n, limit)
+                    _mark_others_full(mapping, hdr, source)
+                    mapping.persist([(0, hdr.pool_size)])
+                    compared, differing = await differing_chunks(
+                        session, region, buf, [(0, limit)], DEFAULT_CHUNK, lambda n: None, timeout)
+                    if differing:
+                        raise RepairError(f"the copy differs from replica {source} in {len(differing)} "
+                                          "ranges after recovery (was it being written meanwhile?)")
+                done = True
+            finally:
+                if not done:
+                    os.unlink(pool)
+    except TransportError as exc:
+        raise RepairError(f"replica {source}: {exc}") from None
+    except trio.TooSlowError:
+        raise RepairError(f"replica {source}: no answer within {timeout:g}s") from None
+    return {"pool": pool, "from": str(source), "bytes": limit, "chunks_verified": compared,
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _mark_others_full(mapping: PoolMapping, hdr: Header, source: ReplicaSpec) -> None:
+    """A fresh sync map: the source replica holds all of the pool, the others are unknown."""
+    buf = mapping.buf
+    mapping.persist(format_map(buf, hdr))
+    syncmap = SyncMap(buf, hdr, mapping.persist)
+    specs = inspect_table(buf).replicas
+    for slot, spec in enumerate(specs):
+        if str(spec) != str(source):
+            syncmap.set_full(slot)

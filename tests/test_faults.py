@@ -1,0 +1,282 @@
+"""Failures of replicas while a mount serves: kill -9, SIGSTOP past the timeout, return, rejoin.
+
+Each test runs real target daemons and a real FUSE mount; the faults are real (signals to the
+target processes). What they assert: no fsync acknowledged under the policy is missing on a
+replica counted in sync, the mount keeps serving (or says EIO) as ``min_replicas`` says, and a
+replica that comes back receives what it missed and rejoins.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import MountPool
+from helpers import cli, fsync_path, pool_content, wait_until
+
+from rpmemfs.target.spawn import TargetProcess
+
+POOL_SIZE = "128M"
+
+
+@pytest.fixture
+def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
+    procs = []
+    for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
+        d = work_dir / f"target{i}"
+        d.mkdir()
+        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
+        t.start()
+        procs.append(t)
+    yield procs
+    for t in procs:
+        if t.proc is not None and t.proc.poll() is None:
+            os.kill(t.proc.pid, signal.SIGCONT)
+        t.close()
+
+
+def _replica_file(t: TargetProcess, name: str = "app") -> Path:
+    return Path(t.argv[t.argv.index("--pool-dir") + 1]) / name
+
+
+def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
+    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", POOL_SIZE]
+    for t in targets:
+        args += ["--replica", f"{t.address}/app"]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+
+
+def _status(mnt: Path) -> dict:  # type: ignore[type-arg]
+    res = cli("status", mnt, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _states(mnt: Path) -> list[str]:
+    return [r["state"] for r in _status(mnt)["replicas"]]
+
+
+def _restart(t: TargetProcess, work_dir: Path, n: int) -> TargetProcess:
+    """The same daemon (pool dir, options) again, on the address it had."""
+    argv = t.argv
+    again = TargetProcess(
+        argv[argv.index("--pool-dir") + 1], listen=t.address,
+        pmem=argv[argv.index("--pmem") + 1] if "--pmem" in argv else None,
+        persist=argv[argv.index("--persist") + 1] if "--persist" in argv else None,
+        log_path=work_dir / f"restarted{n}.log")
+    again.start()
+    return again
+
+
+def _write_fsync(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=2")
+    acked: dict[str, bytes] = {}
+    for i in range(20):
+        data = os.urandom(5000 + i)
+        _write_fsync(m.path / f"before{i}", data)
+        acked[f"before{i}"] = data
+    targets[1].kill()
+    # Every fsync still succeeds: one in-sync replica is what the policy asks.
+    for i in range(40):
+        data = os.urandom(3000 + 7 * i)
+        _write_fsync(m.path / f"during{i}", data)
+        acked[f"during{i}"] = data
+    assert _states(m.path) == ["in-sync", "stale"]
+    again = _restart(targets[1], work_dir, 1)
+    targets.append(again)
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), _status(m.path)
+    status = _status(m.path)["replicas"][1]
+    resync = status["last_resync"]
+    # The map told it what it missed: no full comparison, a few chunks, not the pool.
+    assert resync["compared_chunks"] == 0 and 0 < resync["bytes_sent"] < 16 << 20, resync
+    for i in range(10):
+        data = os.urandom(1000 + i)
+        _write_fsync(m.path / f"after{i}", data)
+        acked[f"after{i}"] = data
+    for name, data in acked.items():
+        assert (m.path / name).read_bytes() == data, name
+    m.unmount()
+    local = pool_content(pool)
+    for t in targets[:1] + [again]:
+        assert pool_content(_replica_file(t)) == local, t.address
+    res = cli("verify", pool)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_fsync_says_eio_below_min_replicas_and_works_again_when_the_replica_is_back(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,replica_timeout=2")  # min_replicas: all
+    _write_fsync(m.path / "first", b"both replicas have this")
+    targets[0].kill()
+    with pytest.raises(OSError) as err:
+        _write_fsync(m.path / "second", b"only local and one replica")
+    assert err.value.errno == errno.EIO
+    # Nothing local is lost: the data is there, and reads keep working.
+    assert (m.path / "second").read_bytes() == b"only local and one replica"
+    with pytest.raises(OSError) as err:
+        fsync_path(m.path / "second")
+    assert err.value.errno == errno.EIO
+    again = _restart(targets[0], work_dir, 1)
+    targets.append(again)
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), _status(m.path)
+    fsync_path(m.path / "second")
+    _write_fsync(m.path / "third", b"and this")
+    m.unmount()
+    local = pool_content(pool)
+    assert pool_content(_replica_file(again)) == local
+    assert pool_content(_replica_file(targets[1])) == local
+    # The log names the replica that was missing.
+    assert f"{targets[0].address}/app" in m.output(), m.output()[-3000:]
+
+
+def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=1")
+    _write_fsync(m.path / "a", b"a" * 10000)
+    assert targets[1].proc is not None
+    os.kill(targets[1].proc.pid, signal.SIGSTOP)
+    # The first fsync waits out the timeout on the stopped replica, then succeeds (policy 1).
+    _write_fsync(m.path / "b", b"b" * 10000)
+    assert _states(m.path) == ["in-sync", "stale"]
+    for i in range(20):
+        _write_fsync(m.path / f"c{i}", bytes([i]) * 9000)
+    os.kill(targets[1].proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=40), _status(m.path)
+    _write_fsync(m.path / "d", b"d" * 10000)
+    m.unmount()
+    local = pool_content(pool)
+    for t in targets:
+        assert pool_content(_replica_file(t)) == local, t.address
+
+
+def _epoch(path: Path) -> str:
+    from rpmemfs.fs.layout import Header, show_epoch
+
+    return show_epoch(Header.decode(path.read_bytes()[:4096]).epoch)
+
+
+def test_an_old_initiator_is_fenced_off_a_replica_that_was_mounted_on_its_own(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,replica_timeout=2")
+    _write_fsync(m.path / "before", b"written by the first primary")
+    m.unmount()
+    old_epoch = _epoch(pool)
+    # Failover: the replica pool on target 1's node is mounted there on its own. It cannot
+    # replicate to itself (its target daemon would have to open the pool the mount holds)
+    # but it takes target 0 over as its replica.
+    promoted = _replica_file(targets[1])
+    p = mount_pool(promoted, name="promoted", options="pmem=force,min_replicas=0,replica_timeout=2")
+    assert _states(p.path) == ["in-sync", "stale"], _status(p.path)["replicas"]
+    assert "in use" in (_status(p.path)["replicas"][1]["last_error"] or "")
+    _write_fsync(p.path / "after", b"written by the new primary")
+    p.unmount()
+    new_epoch = _epoch(promoted)
+    assert new_epoch != old_epoch
+    # The old primary comes back: both replicas moved on past what it knows.
+    again = mount_pool(pool, name="old", options="pmem=force,replica_timeout=2", start=False)
+    err = again.start_expect_failure()
+    assert "epoch" in err and new_epoch in err and old_epoch in err, err
+    assert "mounted elsewhere" in err, err
+    # Nothing was written over: target 0 still holds the new primary's file.
+    res = cli("verify", promoted, "--json")
+    report = json.loads(res.stdout)
+    assert report["replicas"][0]["error"] is None and not report["replicas"][0]["differing"], report
+
+
+def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,replica_timeout=5")
+    for i in range(8):
+        _write_fsync(m.path / f"f{i}", os.urandom(70000))
+    # A replica damaged under a live mount: a byte flipped in its file on the target node.
+    victim = _replica_file(targets[0])
+    data_at = 48 << 20
+    with open(victim, "r+b") as f:
+        f.seek(data_at)
+        old = f.read(1)
+        f.seek(data_at)
+        f.write(bytes([old[0] ^ 0xFF]))
+    res = cli("verify", m.path, "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    bad = report["replicas"][0]["differing"]
+    assert len(bad) == 1 and bad[0]["offset"] <= data_at < bad[0]["offset"] + bad[0]["length"], report
+    assert report["replicas"][1]["differing"] == [], report
+    res = cli("sync", m.path, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["replicas"][0]["differing_chunks"] == 1, summary
+    assert summary["replicas"][1]["differing_chunks"] == 0, summary
+    assert summary["replicas"][0]["bytes_sent"] <= 1 << 20, summary
+    assert cli("verify", m.path).returncode == 0
+    m.unmount()
+    # And on the unmounted pool: damage, verify finds it, sync repairs only that chunk.
+    with open(_replica_file(targets[1]), "r+b") as f:
+        f.seek(4096 + 100)  # the backup header block: metadata, not data
+        f.write(b"\x00\x01\x02")
+    res = cli("verify", pool, "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["replicas"][1]["differing"], res.stdout
+    res = cli("sync", pool, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)
+    assert [r["differing_chunks"] for r in summary["replicas"]] == [0, 1], summary
+    res = cli("verify", pool)
+    assert res.returncode == 0, res.stdout + res.stderr
+    local = pool_content(pool)
+    for t in targets:
+        assert pool_content(_replica_file(t)) == local
+
+
+def test_recover_rebuilds_a_lost_pool_from_a_replica(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,replica_timeout=5")
+    files = {f"f{i}": os.urandom(30000 + i) for i in range(12)}
+    for name, data in files.items():
+        _write_fsync(m.path / name, data)
+    m.unmount()
+    before = pool_content(pool)
+    pool.unlink()  # the local node lost its pool
+    res = cli("recover", pool, "--from", f"{targets[1].address}/app")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert pool_content(pool) == before
+    refused = cli("recover", pool, "--from", f"{targets[1].address}/app")
+    assert refused.returncode != 0 and "exists" in refused.stderr, refused.stderr
+    m = mount_pool(pool, name="recovered", options="pmem=force,replica_timeout=5")
+    replicas = _status(m.path)["replicas"]
+    assert [r["state"] for r in replicas] == ["in-sync", "in-sync"], replicas
+    # The source needed nothing; the other replica was compared in full (nothing says how
+    # far it had got) and found identical.
+    assert replicas[1]["last_resync"] is None or replicas[1]["last_resync"]["compared_chunks"] == 0
+    assert replicas[0]["last_resync"]["compared_chunks"] > 0
+    assert replicas[0]["last_resync"]["differing_chunks"] == 0
+    for name, data in files.items():
+        assert (m.path / name).read_bytes() == data
+    m.unmount()
