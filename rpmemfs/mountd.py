@@ -22,7 +22,7 @@ from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, PoolFormatError, ne
 from rpmemfs.fs.syncmap import SyncMap
 from rpmemfs.fuse import Operations
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
-from rpmemfs.replica import ReplicaSet
+from rpmemfs.replica import ReplicaError, ReplicaSet
 from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
 from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
@@ -259,14 +259,25 @@ class Mounted:
         self.fs.for_replicas.extend(self.header_ranges)
         self._note_stale()
 
-    async def _replicate(self, ranges: list[tuple[int, int]]) -> None:
-        assert self.replicas is not None
+    def _replicate(self, ranges: list[tuple[int, int]]) -> Callable[[], Awaitable[None]]:
+        """Post a barrier; what it returns waits for it."""
+        rs = self.replicas
+        assert rs is not None
         try:
-            await self.replicas.barrier(ranges)
-        finally:
-            # Before the fsync returns: a replica left behind must be known as such even
-            # if this daemon dies right after.
+            flight = rs.post(ranges)
+        except ReplicaError:
             self._note_stale()
+            raise
+
+        async def complete() -> None:
+            try:
+                await rs.complete(flight)
+            finally:
+                # Before the fsync returns: a replica left behind must be known as such even
+                # if this daemon dies right after.
+                self._note_stale()
+
+        return complete
 
     def _note_stale(self) -> None:
         """Record in the pool's replica table which replicas are out of sync now."""

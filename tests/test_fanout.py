@@ -144,3 +144,44 @@ def test_an_fsync_waits_for_the_slowest_replica_not_the_sum(
     assert median >= max(DELAYS) * 0.95, took
     # ...and well short of both links in a row.
     assert median < sum(DELAYS) * 0.85, took
+
+
+def test_fsyncs_of_different_files_overlap_on_the_replicas(
+        work_dir: Path, slow_targets: list[DelayRelay], mount_pool: MountPool) -> None:
+    """The second fsync posts its barrier while the first is in flight (pipelined on each
+    replica's ordered lane) instead of waiting for it: both are done in about one slow round
+    trip plus the head start, not two."""
+    pool = work_dir / "app.pool"
+    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", "64M"]
+    for r in slow_targets:
+        args += ["--replica", f"{r.address}/app"]
+    assert cli(*args, timeout=120).returncode == 0
+    m = mount_pool(pool, options="pmem=force,replica_timeout=10")
+    fds = [os.open(m.path / name, os.O_CREAT | os.O_WRONLY, 0o644) for name in ("a", "b")]
+    try:
+        for fd in fds:
+            os.pwrite(fd, b"w" * 4096, 0)
+            os.fsync(fd)
+        head_start = 0.08
+        finished: dict[int, float] = {}
+
+        def sync(i: int) -> None:
+            time.sleep(head_start * i)
+            os.pwrite(fds[i], bytes([i]) * 4096, 0)  # written after the first barrier began
+            os.fsync(fds[i])
+            finished[i] = time.monotonic()
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=sync, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    slow = max(DELAYS)
+    first, second = finished[0] - t0, finished[1] - t0
+    assert first >= slow * 0.95, (first, second)
+    # Serialized, the second would end after two slow round trips (2 x 250 ms).
+    assert second < head_start + slow * 1.5, (first, second)

@@ -8,9 +8,7 @@ Only in-sync replicas count for ``min_replicas``.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,8 +50,6 @@ class Replica:
         self.resyncs = 0
         self.resync: dict[str, Any] | None = None  # progress of the resync under way
         self.last_resync: dict[str, Any] | None = None  # summary of the last one
-        self._free: deque[Lane] = deque()
-        self._slots = trio.Semaphore(0)
         # Set whenever the replica falls out of sync: its keeper reconnects it.
         self.fell_behind = trio.Event()
 
@@ -63,8 +59,6 @@ class Replica:
         self.region = region
         self.method = region.method
         self.lanes = list(session.lanes)
-        self._free = deque(self.lanes)
-        self._slots = trio.Semaphore(len(self.lanes))
         if not self.lanes:
             self.fail("the session has no lanes")
 
@@ -84,86 +78,43 @@ class Replica:
         self.state = "in-sync"
         self.fell_behind = trio.Event()
 
-    @asynccontextmanager
-    async def lane(self) -> AsyncIterator[Lane]:
-        """Borrow a lane nobody else is using; waits for one while all are busy.
+    @property
+    def barrier_lane(self) -> Lane:
+        """The one lane barriers go on, one after another without waiting for each other.
 
-        The least recently used lane comes first, so that sequential barriers take turns and
-        every lane's connection is known to work before concurrency needs it.
+        One ordered lane, not one per concurrent fsync: writes on different lanes are not
+        ordered against each other (as with RDMA queue pairs), so a crash of this node could
+        leave a replica with a later barrier's log records but not an earlier one's, a log
+        no mount would accept. On one lane a replica always holds a prefix of the barriers.
         """
-        async with self._slots:
-            lane = self._free.popleft()
-            try:
-                yield lane
-            finally:
-                self._free.append(lane)
+        return self.lanes[0]
 
-    async def barrier(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int, timeout: float) -> bool:
-        """One batch of writes and one flush on a free lane; False (and failed) on any error.
-
-        True only if the replica is still in sync afterwards: when a concurrent barrier on
-        another lane failed meanwhile, this one's bytes are on the target but the replica as
-        a whole is stale, so it cannot count as an acknowledgement.
-        """
-        if self.state != "in-sync" or self.region is None:
-            return False
-        in_flight = False
-        try:
-            with trio.fail_after(timeout):
-                async with self.lane() as lane:
-                    if self.state != "in-sync":
-                        return False
-                    in_flight = True
-                    await lane.barrier(self.region, writes, self.method)
-                    in_flight = False
-        except TransportError as exc:
-            self.fail(str(exc))
-            return False
-        except trio.TooSlowError:
-            self.fail(f"barrier not acknowledged within {timeout:g}s")
-            return False
-        except trio.Cancelled:
-            # Cancelled mid-send, the lane's stream may hold half a frame: never reuse it.
-            if in_flight:
-                self.fail("barrier cancelled while in flight; the lane's state is unknown")
-            raise
-        self.barriers += 1
-        self.writes += len(writes)
-        self.flushes += 1
-        self.bytes += nbytes
-        return self.state == "in-sync"
+    @property
+    def bulk_lane(self) -> Lane:
+        """The lane resync and repair copies go on (the last one), beside the barriers."""
+        return self.lanes[-1]
 
     def post(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int) -> Posted | None:
-        """Post a barrier on a free lane without waiting.
-
-        None when the replica is not in sync, posting failed (the replica is then failed), or
-        every lane is busy (the replica is still in sync: use :meth:`barrier`).
-        """
-        if self.state != "in-sync" or self.region is None:
+        """Post a barrier on the barrier lane without waiting (earlier ones may still be in
+        flight there). None when the replica is not in sync, or posting failed (the replica
+        is then stale)."""
+        if self.state != "in-sync" or self.region is None or not self.lanes:
             return None
-        try:
-            self._slots.acquire_nowait()
-        except trio.WouldBlock:
-            return None
-        lane = self._free.popleft()
+        lane = self.barrier_lane
         try:
             ticket = lane.post_barrier(self.region, writes, self.method)
         except TransportError as exc:
-            self._give_back(lane)
             self.fail(str(exc))
             return None
         return Posted(self, lane, ticket, len(writes), nbytes)
 
-    def _give_back(self, lane: Lane) -> None:
-        self._free.append(lane)
-        self._slots.release()
-
     def _completed(self, posted: Posted) -> bool:
-        self._give_back(posted.lane)
         self.barriers += 1
         self.writes += posted.writes
         self.flushes += 1
         self.bytes += posted.nbytes
+        # Not an acknowledgement if the replica fell out of sync meanwhile (an earlier
+        # barrier on the lane failed): its bytes may be there, but not all before them.
         return self.state == "in-sync"
 
     def poll(self, posted: Posted) -> bool | None:
@@ -173,7 +124,6 @@ class Replica:
             if not posted.lane.poll(posted.ticket):
                 return None
         except TransportError as exc:
-            self._give_back(posted.lane)
             self.fail(str(exc))
             return False
         return self._completed(posted)
@@ -184,15 +134,12 @@ class Replica:
             with trio.fail_after(timeout):
                 await posted.lane.wait(posted.ticket)
         except TransportError as exc:
-            self._give_back(posted.lane)
             self.fail(str(exc))
             return False
         except trio.TooSlowError:
-            self._give_back(posted.lane)
             self.fail(f"barrier not acknowledged within {timeout:g}s")
             return False
         except trio.Cancelled:
-            self._give_back(posted.lane)
             self.fail("barrier cancelled while in flight; the lane's state is unknown")
             raise
         return self._completed(posted)
@@ -219,7 +166,7 @@ class Replica:
         """Close the session; a dead or slow target cannot hold this up past ``timeout``."""
         session, self.session = self.session, None
         self.region = None
-        self.lanes, self._free = [], deque()
+        self.lanes = []
         if session is None:
             return
         with trio.move_on_after(timeout) as scope:

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -68,6 +69,16 @@ def _remote_uuid(head: bytes) -> bytes:
             raise PoolFormatError(f"no valid pool header (primary: {primary}; backup: {backup})") from None
 
 
+@dataclass
+class InFlight:
+    """A barrier posted to the in-sync replicas, not yet complete."""
+
+    ranges: list[tuple[int, int]]
+    writes: list[tuple[int, memoryview]]
+    nbytes: int
+    posted: list[Posted]
+
+
 class ReplicaSet:
     """The replicas of one local pool, the barrier that serves them all, and their repair.
 
@@ -95,6 +106,8 @@ class ReplicaSet:
         # records which replicas are stale).
         self.on_change: Callable[[], None] = lambda: None
         self._connect: Callable[[Replica], Awaitable[tuple[Session, RemoteRegion]]] | None = None
+        self._inflight = 0
+        self._drained = trio.Event()
         # Bytes compared or copied by resyncs, for a progress bar.
         self.progress: Callable[[int], None] = lambda n: None
 
@@ -294,7 +307,9 @@ class ReplicaSet:
             return await self._copy(replica, runs, "repair")
         async with self.lock:
             # Current content: anything written since the comparison is newer still, and
-            # barriers cannot overtake this copy while the lock is held.
+            # barriers cannot overtake this copy while the lock is held and none is in
+            # flight.
+            await self.drain()
             return await self._copy(replica, runs, "repair")
 
     async def verify(self, chunk: int, durable: Callable[[], Awaitable[None]],
@@ -350,7 +365,7 @@ class ReplicaSet:
         assert replica.region is not None and replica.lanes
         total = sum(n for _, n in runs)
         replica.resync = {"phase": phase, "done": 0, "total": total}
-        lane = replica.lanes[0]
+        lane = replica.bulk_lane
         batch: list[tuple[int, int]] = []
         size = 0
         last_log = time.monotonic()
@@ -433,64 +448,81 @@ class ReplicaSet:
         ReplicaError when fewer than ``min_replicas`` replicas acknowledged it. Replicas that
         failed are marked so whether or not the barrier raises.
         """
-        try:
-            await self._barrier(ranges)
-        finally:
-            # Before the fsync returns: what a replica out of sync misses is in the pool,
-            # so that it gets just that when it is back, even after a restart of this node.
-            behind = [r.slot for r in self.replicas if r.state != "in-sync"]
-            if behind and self.syncmap is not None:
-                self.syncmap.mark(behind, ranges)
+        await self.complete(self.post(ranges))
 
-    async def _barrier(self, ranges: list[tuple[int, int]]) -> None:
+    def post(self, ranges: list[tuple[int, int]]) -> InFlight:
+        """Send a barrier to every in-sync replica without waiting: one batch of writes and
+        one flush each, on its barrier lane, behind the barriers posted before it.
+
+        What a replica left out misses is marked in the sync map here, before the replica can
+        rejoin (a rejoin waits for the barrier lock, which the caller holds): a mark made only
+        when the barrier completes could miss a replica that rejoined in between.
+        ReplicaError (after marking) when fewer than ``min_replicas`` are in sync.
+        """
+        self._mark([r for r in self.replicas if r.state != "in-sync"], ranges)
         if len(self.in_sync) < self.min_replicas:
             raise self._shortfall(len(self.in_sync), "too few replicas in sync")
         writes = self._writes(ranges)
-        if not writes:
-            return
         nbytes = sum(view.nbytes for _, view in writes)
-        acked: list[Replica] = []
+        posted: list[Posted] = []
+        if writes:
+            for replica in self.in_sync:
+                p = replica.post(writes, nbytes)
+                if p is not None:
+                    posted.append(p)
+                else:  # posting failed: the replica is stale now
+                    self._mark([replica], ranges)
+        self._inflight += 1
+        return InFlight(ranges, writes, nbytes, posted)
 
-        async def serve(replica: Replica) -> None:
-            if await replica.barrier(writes, nbytes, self.timeout):
-                acked.append(replica)
+    async def complete(self, flight: InFlight) -> None:
+        """Wait for a posted barrier; ReplicaError when too few replicas acknowledged it."""
+        acked: list[Replica] = []
 
         async def finish(posted: Posted) -> None:
             if await posted.replica.finish(posted, self.timeout):
                 acked.append(posted.replica)
 
         try:
-            # Post to every replica first, then poll all their completions together: the
-            # common barrier completes here without one scheduling round trip or wake-up.
-            posted: list[Posted] = []
-            busy: list[Replica] = []
-            for replica in self.in_sync:
-                p = replica.post(writes, nbytes)
-                if p is not None:
-                    posted.append(p)
-                elif replica.state == "in-sync":
-                    busy.append(replica)
-            spin([p.ticket for p in posted], self.spin_budget(nbytes))
+            if not flight.writes:
+                return
+            # Poll all the completions together first: the common barrier completes here
+            # without one scheduling round trip or wake-up.
+            spin([p.ticket for p in flight.posted], self.spin_budget(flight.nbytes))
             pending: list[Posted] = []
-            for p in posted:
+            for p in flight.posted:
                 done = p.replica.poll(p)
                 if done:
                     acked.append(p.replica)
                 elif done is None:
                     pending.append(p)
-            if pending or busy:
+            if pending:
                 async with trio.open_nursery() as nursery:
                     for p in pending:
                         nursery.start_soon(finish, p)
-                    for replica in busy:
-                        nursery.start_soon(serve, replica)
         finally:
+            # Before the fsync returns: what a replica that failed this barrier misses is in
+            # the pool, so it gets just that when it is back, even after a restart here.
+            self._mark([p.replica for p in flight.posted if p.replica not in acked], flight.ranges)
             # A view left alive (say, by a traceback that holds this frame) keeps the mapping
             # exported, and the pool could then never be unmapped.
-            for _, view in writes:
+            for _, view in flight.writes:
                 view.release()
+            self._inflight -= 1
+            if not self._inflight:
+                self._drained.set()
+                self._drained = trio.Event()
         if len(acked) < self.min_replicas:
             raise self._shortfall(len(acked), "barrier acknowledged by too few replicas")
+
+    def _mark(self, replicas: list[Replica], ranges: list[tuple[int, int]]) -> None:
+        if replicas and self.syncmap is not None:
+            self.syncmap.mark([r.slot for r in replicas], ranges)
+
+    async def drain(self) -> None:
+        """Wait until no posted barrier is in flight (call with the barrier lock held)."""
+        while self._inflight:
+            await self._drained.wait()
 
     def spin_budget(self, nbytes: int) -> int:
         """How long (us) a barrier of ``nbytes`` polls before it sleeps: about what a
