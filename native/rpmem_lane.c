@@ -458,3 +458,92 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
         sched_yield();
     }
 }
+
+/* One barrier's frames, built and handed to the socket without a Python object per range:
+ * a WRITE per range of the local pool (same offset remotely), then its one flush. */
+long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
+                      uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
+                      uint8_t *flush_list, uint64_t *total)
+{
+    struct hdr *h = (struct hdr *)hdrs;
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t off = pairs[2 * i], len = pairs[2 * i + 1];
+        if (!len || len > MAX_WRITE || off > region_size || len > region_size - off)
+            return -EINVAL;
+        h[i] = (struct hdr){.op = OP_WRITE, .key = key, .offset = off, .length = (uint32_t)len,
+                            .id = first_id + i};
+        bytes += HDR + len;
+    }
+    uint32_t list_len = 4 + 16 * n;
+    if (apm) {
+        h[n] = (struct hdr){.op = OP_READ, .flags = F_FLUSH, .key = key, .length = 8,
+                            .id = first_id + n};
+        list_len = 0;
+    } else {
+        memcpy(flush_list, &n, 4);
+        memcpy(flush_list + 4, pairs, 16 * (size_t)n);
+        h[n] = (struct hdr){.op = OP_SEND, .key = key, .length = list_len, .id = first_id + n,
+                            .imm = KIND_FLUSH};
+    }
+    bytes += HDR + list_len;
+    *total = bytes;
+    if (fd < 0)
+        return 0; /* frames built for the caller to send later */
+
+    /* iovecs in rounds of at most IOV_BATCH: header, payload, header, payload, ... flush */
+    enum { IOV_BATCH = 1024 };
+    struct iovec iov[IOV_BATCH];
+    uint64_t sent = 0;
+    uint32_t next = 0; /* iovec index over the whole barrier: 2 n + 1 or 2 */
+    uint32_t count = 2 * n + (apm ? 1 : 2);
+    uint64_t skip = 0; /* bytes of iovec `next` already sent */
+    while (next < count) {
+        int k = 0;
+        for (uint32_t j = next; j < count && k < IOV_BATCH; j++, k++) {
+            char *p;
+            size_t len;
+            if (j < 2 * n) {
+                uint32_t i = j / 2;
+                p = j % 2 ? (char *)base + pairs[2 * i] : (char *)&h[i];
+                len = j % 2 ? pairs[2 * i + 1] : HDR;
+            } else if (j == 2 * n) {
+                p = (char *)&h[n];
+                len = HDR;
+            } else {
+                p = (char *)flush_list;
+                len = list_len;
+            }
+            iov[k].iov_base = p;
+            iov[k].iov_len = len;
+        }
+        iov[0].iov_base = (char *)iov[0].iov_base + skip;
+        iov[0].iov_len -= skip;
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+        ssize_t got = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            return -errno;
+        }
+        sent += (uint64_t)got;
+        size_t left = (size_t)got;
+        int full = 1;
+        for (int m = 0; m < k; m++) {
+            if (left >= iov[m].iov_len) {
+                left -= iov[m].iov_len;
+                next++;
+                skip = 0;
+            } else {
+                skip = (m == 0 ? skip : 0) + left;
+                full = 0;
+                break;
+            }
+        }
+        if (!full)
+            break; /* the socket took what it could; the caller sends the rest */
+    }
+    return (long)sent;
+}

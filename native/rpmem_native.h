@@ -110,4 +110,14 @@ int rpm_lane_serve(struct rpm_lane *lane);
  * must be zero on entry. Returns how many are ready. */
 int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n, int spin_us);
 
+/* Initiator: build one barrier's frames and send what the socket takes now. n WRITEs of
+ * the ranges in pairs (offset, length) of the local pool at base, each to the same offset
+ * of the remote region key (ids first_id ...), then the flush (id first_id + n): with apm
+ * an 8-byte READ, else a SEND of the range list. hdrs holds 32 (n + 1) bytes, flush_list
+ * 4 + 16 n. Returns the bytes sent (less than *total when the socket is full), -EINVAL for
+ * a range outside the region, or another -errno; with fd < 0 it only builds the frames. */
+long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
+                      uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
+                      uint8_t *flush_list, uint64_t *total);
+
 #endif

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -243,9 +244,9 @@ def gpspm(scratch: Path) -> Iterator[Target]:
 class Local:
     """A local pool made by mkfs, mapped like a mount maps it."""
 
-    def __init__(self, dirpath: Path, specs: list[ReplicaSpec] | None = None) -> None:
+    def __init__(self, dirpath: Path, specs: list[ReplicaSpec] | None = None, size: int = POOL) -> None:
         self.path = dirpath / f"local-{uuid.uuid4().hex[:8]}.pool"
-        self.header: Header = mkfs(str(self.path), POOL)
+        self.header: Header = mkfs(str(self.path), size)
         self.pm = PoolMapping.open(str(self.path), "force")
         self.buf = self.pm.buf
         if specs:
@@ -329,6 +330,48 @@ def test_barrier_makes_replica_files_equal_with_one_flush_each(
         run(main)
         want = read_file(local.path)
         for t, spec in zip(targets, specs, strict=True):
+            assert read_file(t.pool_dir / spec.name) == want
+    finally:
+        local.close()
+
+
+def test_a_barrier_larger_than_the_socket_buffer_goes_out_whole(
+        apm: Target, gpspm: Target, local_dir: Path) -> None:
+    """2,000 ranges, 32 MiB: more iovecs than one sendmsg takes and more bytes than the socket
+    buffer holds, so the frames built in C go out in parts and the rest follows from Python."""
+    specs = [apm.spec(_name()), gpspm.spec(_name())]
+    local = Local(local_dir, specs, size=96 << 20)
+    hdr = local.header
+    ranges = [local.put(hdr.data_off + 32768 * i + (i % 7) * 512, os.urandom(16384)) for i in range(2000)]
+
+    async def main() -> None:
+        for spec in specs:
+            await create_remote(spec, 96 << 20, local.buf, metadata_ranges(local.buf))
+        rs = await ReplicaSet.open(specs, local.buf, hdr.uuid, None, lanes=2, timeout=TIMEOUT)
+        try:
+            # Stopped targets read nothing, so the socket takes only part of the big barrier:
+            # the rest is left to send, and the small one queues behind it, not cutting in.
+            for t in (apm, gpspm):
+                assert t.proc.proc is not None
+                os.kill(t.proc.proc.pid, signal.SIGSTOP)
+            try:
+                flights = [rs.post(ranges), rs.post([local.put(hdr.data_off, b"behind the big one")])]
+                assert all(p.ticket.rest for p in flights[0].posted)  # type: ignore[attr-defined]
+            finally:
+                for t in (apm, gpspm):
+                    assert t.proc.proc is not None
+                    os.kill(t.proc.proc.pid, signal.SIGCONT)
+            for f in flights:
+                await rs.complete(f)
+            for r in rs.replicas:
+                assert r.state == "in-sync" and r.barriers == 2 and r.writes == 2001
+        finally:
+            await rs.aclose()
+
+    try:
+        run(main)
+        want = read_file(local.path)
+        for t, spec in zip((apm, gpspm), specs, strict=True):
             assert read_file(t.pool_dir / spec.name) == want
     finally:
         local.close()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import trio
 
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.transport.base import BytesLike, Lane, Method, RemoteRegion, Session, Ticket, TransportError
+from rpmemfs.transport.base import Lane, LocalPool, Method, RemoteRegion, Session, Ticket, TransportError
 
 State = Literal["connecting", "in-sync", "stale", "resyncing"]
 
@@ -94,19 +94,19 @@ class Replica:
         """The lane resync and repair copies go on (the last one), beside the barriers."""
         return self.lanes[-1]
 
-    def post(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int) -> Posted | None:
-        """Post a barrier on the barrier lane without waiting (earlier ones may still be in
-        flight there). None when the replica is not in sync, or posting failed (the replica
-        is then stale)."""
+    def post(self, local: LocalPool, ranges: Sequence[tuple[int, int]], nbytes: int) -> Posted | None:
+        """Post a barrier of ``ranges`` of the local pool on the barrier lane without waiting
+        (earlier ones may still be in flight there). None when the replica is not in sync, or
+        posting failed (the replica is then stale)."""
         if self.state != "in-sync" or self.region is None or not self.lanes:
             return None
         lane = self.barrier_lane
         try:
-            ticket = lane.post_barrier(self.region, writes, self.method)
+            ticket = lane.post_barrier_local(self.region, local, ranges, self.method)
         except TransportError as exc:
             self.fail(str(exc))
             return None
-        return Posted(self, lane, ticket, len(writes), nbytes)
+        return Posted(self, lane, ticket, len(ranges), nbytes)
 
     def _completed(self, posted: Posted) -> bool:
         self.barriers += 1

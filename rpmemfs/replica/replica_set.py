@@ -19,11 +19,19 @@ import trio
 
 from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.fs.syncmap import SyncMap
+from rpmemfs.native import ffi
 from rpmemfs.replica.remote import create_remote
 from rpmemfs.replica.replica import Posted, Replica
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.verify import ReplicaReport, content_size, differing_chunks
-from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError
+from rpmemfs.transport.base import (
+    DEFAULT_TIMEOUT,
+    LocalPool,
+    RemoteRegion,
+    Session,
+    Transport,
+    TransportError,
+)
 from rpmemfs.transport.spin import spin
 from rpmemfs.transport.tcp import TcpTransport
 
@@ -74,7 +82,6 @@ class InFlight:
     """A barrier posted to the in-sync replicas, not yet complete."""
 
     ranges: list[tuple[int, int]]
-    writes: list[tuple[int, memoryview]]
     nbytes: int
     posted: list[Posted]
 
@@ -108,6 +115,9 @@ class ReplicaSet:
         self._connect: Callable[[Replica], Awaitable[tuple[Session, RemoteRegion]]] | None = None
         self._inflight = 0
         self._drained = trio.Event()
+        # Where the pool starts, for the C code that builds and sends barriers; released
+        # in aclose(), so the mapping can be closed afterwards.
+        self._local = LocalPool(local_buf, ffi.from_buffer(local_buf))
         # Bytes compared or copied by resyncs, for a progress bar.
         self.progress: Callable[[int], None] = lambda n: None
 
@@ -423,15 +433,16 @@ class ReplicaSet:
     def in_sync(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == "in-sync"]
 
-    def _writes(self, ranges: list[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+    def _checked(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The non-empty ranges, each checked to lie in the local pool."""
         size = len(self.local_buf)
-        writes: list[tuple[int, memoryview]] = []
+        out: list[tuple[int, int]] = []
         for off, length in ranges:
             if off < 0 or length < 0 or off + length > size:
                 raise ValueError(f"range ({off}, {length}) is outside the local pool of {size} bytes")
             if length:
-                writes.append((off, self.local_buf[off : off + length]))
-        return writes
+                out.append((off, length))
+        return out
 
     def _shortfall(self, acked: int, what: str) -> ReplicaError:
         failed = [r for r in self.replicas if r.state != "in-sync"]
@@ -462,18 +473,18 @@ class ReplicaSet:
         self._mark([r for r in self.replicas if r.state != "in-sync"], ranges)
         if len(self.in_sync) < self.min_replicas:
             raise self._shortfall(len(self.in_sync), "too few replicas in sync")
-        writes = self._writes(ranges)
-        nbytes = sum(view.nbytes for _, view in writes)
+        ranges = self._checked(ranges)
+        nbytes = sum(n for _, n in ranges)
         posted: list[Posted] = []
-        if writes:
+        if ranges:
             for replica in self.in_sync:
-                p = replica.post(writes, nbytes)
+                p = replica.post(self._local, ranges, nbytes)
                 if p is not None:
                     posted.append(p)
                 else:  # posting failed: the replica is stale now
                     self._mark([replica], ranges)
         self._inflight += 1
-        return InFlight(ranges, writes, nbytes, posted)
+        return InFlight(ranges, nbytes, posted)
 
     async def complete(self, flight: InFlight) -> None:
         """Wait for a posted barrier; ReplicaError when too few replicas acknowledged it."""
@@ -484,7 +495,7 @@ class ReplicaSet:
                 acked.append(posted.replica)
 
         try:
-            if not flight.writes:
+            if not flight.ranges:
                 return
             # Poll all the completions together first: the common barrier completes here
             # without one scheduling round trip or wake-up.
@@ -504,10 +515,6 @@ class ReplicaSet:
             # Before the fsync returns: what a replica that failed this barrier misses is in
             # the pool, so it gets just that when it is back, even after a restart here.
             self._mark([p.replica for p in flight.posted if p.replica not in acked], flight.ranges)
-            # A view left alive (say, by a traceback that holds this frame) keeps the mapping
-            # exported, and the pool could then never be unmapped.
-            for _, view in flight.writes:
-                view.release()
             self._inflight -= 1
             if not self._inflight:
                 self._drained.set()
@@ -538,3 +545,4 @@ class ReplicaSet:
         async with trio.open_nursery() as nursery:
             for replica in self.replicas:
                 nursery.start_soon(replica.aclose, self.timeout)
+        ffi.release(self._local.base)

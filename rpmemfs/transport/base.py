@@ -62,6 +62,15 @@ class LaneStats:
     sendmsgs: int = 0  # sendmsg calls: more than batches only when the socket buffer filled
 
 
+@dataclass(frozen=True)
+class LocalPool:
+    """The local pool as a transport sees it: its bytes, and where they start for C code
+    (a cffi pointer, or None where there is none)."""
+
+    buf: memoryview
+    base: Any
+
+
 class Ticket(Protocol):
     """A barrier posted without waiting: what to poll, and how much its completion holds."""
 
@@ -104,6 +113,13 @@ class Lane(Protocol):
         """Post the writes and the one flush without waiting (what remains to send, if the
         socket buffer was full, goes out in :meth:`wait`). Like ibv_post_send: the caller
         then polls or waits for the one completion."""
+
+    def post_barrier_local(
+        self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
+        method: Method | None = None,
+    ) -> Ticket:
+        """:meth:`post_barrier` of ``ranges`` of the local pool, each placed at the same offset
+        of the remote pool: what replication does, without a buffer object per range."""
 
     def poll(self, ticket: Ticket) -> bool:
         """True once the barrier completed; never waits. TransportError if it failed."""

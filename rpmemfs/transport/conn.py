@@ -10,6 +10,7 @@ the error state: every later operation on it raises TransportError with the firs
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import trio
@@ -17,7 +18,7 @@ import trio
 from rpmemfs.transport import auth
 from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
-from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all, send_nowait
+from rpmemfs.transport.stream import FrameReader, PeerClosed, _advance, send_all, send_nowait
 from rpmemfs.transport.wire import (
     F_CLOSE,
     HEADER_SIZE,
@@ -72,6 +73,14 @@ class Connection:
     def new_id(self) -> int:
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
         return self._next_id
+
+    def new_ids(self, n: int) -> int:
+        """The first of ``n`` consecutive request ids (never 0, never wrapping inside)."""
+        if self._next_id + n > 0xFFFFFFFF:
+            self._next_id = 0
+        first = self._next_id + 1
+        self._next_id += n
+        return first
 
     def check(self) -> None:
         if self._lost is not None:
@@ -155,6 +164,32 @@ class Connection:
         if not locked:
             self._send_lock.release()
         return rest, calls, locked
+
+    def send_native(self, send: Callable[[int], tuple[int, int]], rebuild: Callable[[], list[Buffer]]
+                    ) -> tuple[list[Buffer], bool] | None:
+        """Like :meth:`send_nowait`, for frames a C function builds and sends itself.
+
+        ``send(fd)`` returns (bytes sent, bytes in all) or raises OSError; ``rebuild()`` gives
+        the same frames as buffers, for the rest to go out through :meth:`finish_send` when
+        the socket took only part. None when another send holds the lock (nothing was sent).
+        """
+        self.check()
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            return None
+        try:
+            sent, total = send(self.io.fileno())
+        except OSError as exc:
+            self._send_lock.release()
+            self._fail(f"connection lost while sending: {exc}")
+        if sent == total or not sent:
+            # All out, or nothing: either way no frame is cut in half, so the lock goes.
+            self._send_lock.release()
+            if sent == total:
+                return [], False
+        pending = rebuild()
+        return pending[_advance(pending, 0, sent):], bool(sent)
 
     async def finish_send(self, rest: list[Buffer], locked: bool) -> int:
         """Send the rest that :meth:`send_nowait` left (``locked``: it kept the send lock)."""
