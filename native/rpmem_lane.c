@@ -271,13 +271,25 @@ static void persist(struct rpm_region *r, const uint64_t *pairs, uint32_t n, int
     rpm_count(&r->counters->persisted_ranges, n);
 }
 
+/* Copy from the staging buffer into the pool. Under apm the bytes must reach the
+ * persistence domain as a NIC with DDIO off would place them: non-temporal stores do that
+ * without a write-back of each line afterwards. */
+static void place(const struct rpm_lane *l, char *dst, const char *src, size_t n)
+{
+    if (l->apm)
+        rpm_memcpy_nt(dst, src, n);
+    else
+        memcpy(dst, src, n);
+}
+
 static int do_write(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
 {
     char *dst = r->base + h->offset;
     uint32_t total = h->length, pos = l->end - l->start;
+    uint32_t straight_from = total, straight_to = 0; /* what recv placed through the cache */
     if (pos > total)
         pos = total;
-    memcpy(dst, l->stage + l->start, pos);
+    place(l, dst, l->stage + l->start, pos);
     l->start += pos;
     while (pos < total) {
         uint32_t rest = total - pos;
@@ -285,7 +297,7 @@ static int do_write(struct rpm_lane *l, const struct hdr *h, struct rpm_region *
             int rc = fill(l, rest, deadline, 0);
             if (rc)
                 return rc == RPM_LANE_CLOSED ? RPM_LANE_TRUNCATED : rc;
-            memcpy(dst + pos, l->stage + l->start, rest);
+            place(l, dst + pos, l->stage + l->start, rest);
             l->start += rest;
             break;
         }
@@ -295,10 +307,13 @@ static int do_write(struct rpm_lane *l, const struct hdr *h, struct rpm_region *
             return rc;
         if (!got)
             return RPM_LANE_TRUNCATED;
+        if (pos < straight_from)
+            straight_from = pos;
         pos += (uint32_t)got;
+        straight_to = pos;
     }
-    if (l->apm)
-        rpm_flush(dst, total); /* fenced before the next READ is answered */
+    if (l->apm && straight_to > straight_from)
+        rpm_flush(dst + straight_from, straight_to - straight_from); /* fenced before the next READ */
     rpm_count(&r->counters->writes, 1);
     rpm_count(&r->counters->bytes, total);
     return 0;

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from rpmemfs import logs
@@ -177,34 +179,44 @@ def _chunk(text: str) -> int:
     return chunk
 
 
+@contextlib.contextmanager
+def _replicated_pool(path: str, token_file: str | None, what: str, writable: bool
+                     ) -> Iterator[tuple[str, Any, list[Any], bytes | None]]:
+    """(pool file, its mapping, its replicas, the token) of an unmounted pool, for verify and
+    sync; the mapping is closed afterwards."""
+    from rpmemfs.pmem import PmemError, PoolMapping
+    from rpmemfs.replica.table import inspect_table
+
+    pool, specs = _unmounted_pool(path, what)
+    try:
+        pm = PoolMapping.open(pool, "msync", readonly=not writable, exclusive=writable)
+    except PmemError as e:
+        raise CliError(str(e)) from None
+    try:
+        table = inspect_table(pm.buf)
+        specs = specs if specs is not None else table.replicas
+        if not specs:
+            raise CliError(f"pool {pool} has no replicas to {what}")
+        yield pool, pm, specs, _token(token_file or table.token_file)
+    finally:
+        try:
+            pm.close()
+        except BufferError:
+            pass  # a view is still referenced; the process exits and unmaps anyway
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.pmem import PmemError, PoolMapping
-    from rpmemfs.replica.table import inspect_table
     from rpmemfs.replica.verify import format_report, report_from_dict, verify
 
     chunk = _chunk(args.chunk)
     if os.path.isdir(args.pool) and os.path.ismount(args.pool):
         report = report_from_dict(_ask_mount(args.pool, f"verify {chunk}", "verify"))
     else:
-        pool, specs = _unmounted_pool(args.pool, "verify")
-        try:
-            pm = PoolMapping.open(pool, "msync", readonly=True)
-        except PmemError as e:
-            raise CliError(str(e)) from None
-        try:
-            table = inspect_table(pm.buf)
-            specs = specs if specs is not None else table.replicas
-            if not specs:
-                raise CliError(f"pool {pool} has no replicas to verify")
-            token = _token(args.token_file or table.token_file)
+        opened = _replicated_pool(args.pool, args.token_file, "verify", writable=False)
+        with opened as (pool, pm, specs, token):
             report = trio.run(verify, pool, pm.buf, specs, token, chunk)
-        finally:
-            try:
-                pm.close()
-            except BufferError:
-                pass  # a view is still referenced; the process exits and unmaps anyway
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.clean else 1
 
@@ -212,25 +224,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_sync(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.pmem import PmemError, PoolMapping
     from rpmemfs.replica.repair import RepairError, format_sync, sync_pool
-    from rpmemfs.replica.table import inspect_table
     from rpmemfs.replica.verify import Progress, content_size
 
     if os.path.isdir(args.pool) and os.path.ismount(args.pool):
         result = _ask_mount(args.pool, "sync", "sync")
     else:
-        pool, specs = _unmounted_pool(args.pool, "sync")
-        try:
-            pm = PoolMapping.open(pool, "msync", exclusive=True)
-        except PmemError as e:
-            raise CliError(str(e)) from None
-        try:
-            table = inspect_table(pm.buf)
-            specs = specs if specs is not None else table.replicas
-            if not specs:
-                raise CliError(f"pool {pool} has no replicas to sync")
-            token = _token(args.token_file or table.token_file)
+        opened = _replicated_pool(args.pool, args.token_file, "sync", writable=True)
+        with opened as (pool, pm, specs, token):
             bar = Progress(content_size(pm.buf) * len(specs), "sync")
             try:
                 result = trio.run(sync_pool, pool, pm, specs, token, bar).as_dict()
@@ -238,11 +239,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 raise CliError(str(e)) from None
             finally:
                 bar.close()
-        finally:
-            try:
-                pm.close()
-            except BufferError:
-                pass
     print(json.dumps(result, indent=2) if args.json else format_sync(result))
     return 0 if result.get("clean") else 1
 

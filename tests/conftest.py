@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -22,6 +23,8 @@ from helpers import (  # noqa: E402
     mkfs,
     mounts_under,
 )
+
+from rpmemfs.target.spawn import TargetProcess  # noqa: E402
 
 # A test that takes longer than this is hung (the slowest takes ~15 s). The watchdog records
 # what the daemons were doing, then SIGKILLs them: that aborts the FUSE connection, so a test
@@ -155,3 +158,21 @@ def mount_pool(work_dir: Path, request: pytest.FixtureRequest) -> Iterator[Mount
 def mnt(make_pool: MakePool, mount_pool: MountPool) -> Mount:
     """A fresh 64M pool, mounted (pmem=force). Use mnt.path, mnt.remount(), mnt.kill9()."""
     return mount_pool(make_pool("64M"))
+
+
+@pytest.fixture
+def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
+    """Two target daemons on loopback: one declares the appliance method, one general purpose.
+    Teardown kills them (resuming any a test left stopped)."""
+    procs = []
+    for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
+        d = work_dir / f"target{i}"
+        d.mkdir()
+        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
+        t.start()
+        procs.append(t)
+    yield procs
+    for t in procs:
+        if t.proc is not None and t.proc.poll() is None:
+            os.kill(t.proc.pid, signal.SIGCONT)
+        t.close()

@@ -477,3 +477,15 @@ def pool_content(path: Path) -> bytes:
 
     raw = path.read_bytes()
     return raw[: Header.decode(raw[:4096]).map_off]
+
+
+def replica_file(target: Any, name: str = "app") -> Path:
+    """The pool file ``name`` of a TargetProcess, in its --pool-dir."""
+    argv = target.argv
+    return Path(argv[argv.index("--pool-dir") + 1]) / name
+
+
+def status_json(mnt: Path) -> dict[str, Any]:
+    res = cli("status", mnt, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)  # type: ignore[no-any-return]

@@ -12,36 +12,15 @@ import errno
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import MountPool
-from helpers import cli, fsync_path, pool_content, wait_until
+from helpers import cli, fsync_path, pool_content, replica_file, status_json, wait_until
 
 from rpmemfs.target.spawn import TargetProcess
 
 POOL_SIZE = "128M"
-
-
-@pytest.fixture
-def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
-    procs = []
-    for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
-        d = work_dir / f"target{i}"
-        d.mkdir()
-        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
-        t.start()
-        procs.append(t)
-    yield procs
-    for t in procs:
-        if t.proc is not None and t.proc.poll() is None:
-            os.kill(t.proc.pid, signal.SIGCONT)
-        t.close()
-
-
-def _replica_file(t: TargetProcess, name: str = "app") -> Path:
-    return Path(t.argv[t.argv.index("--pool-dir") + 1]) / name
 
 
 def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
@@ -52,14 +31,8 @@ def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
     assert res.returncode == 0, res.stderr
 
 
-def _status(mnt: Path) -> dict:  # type: ignore[type-arg]
-    res = cli("status", mnt, "--json")
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
-
-
 def _states(mnt: Path) -> list[str]:
-    return [r["state"] for r in _status(mnt)["replicas"]]
+    return [r["state"] for r in status_json(mnt)["replicas"]]
 
 
 def _restart(t: TargetProcess, work_dir: Path, n: int) -> TargetProcess:
@@ -102,8 +75,8 @@ def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
     assert _states(m.path) == ["in-sync", "stale"]
     again = _restart(targets[1], work_dir, 1)
     targets.append(again)
-    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), _status(m.path)
-    status = _status(m.path)["replicas"][1]
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), status_json(m.path)
+    status = status_json(m.path)["replicas"][1]
     resync = status["last_resync"]
     # The map told it what it missed: no full comparison, a few chunks, not the pool.
     assert resync["compared_chunks"] == 0 and 0 < resync["bytes_sent"] < 16 << 20, resync
@@ -116,7 +89,7 @@ def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
     m.unmount()
     local = pool_content(pool)
     for t in targets[:1] + [again]:
-        assert pool_content(_replica_file(t)) == local, t.address
+        assert pool_content(replica_file(t)) == local, t.address
     res = cli("verify", pool)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -138,13 +111,13 @@ def test_fsync_says_eio_below_min_replicas_and_works_again_when_the_replica_is_b
     assert err.value.errno == errno.EIO
     again = _restart(targets[0], work_dir, 1)
     targets.append(again)
-    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), _status(m.path)
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), status_json(m.path)
     fsync_path(m.path / "second")
     _write_fsync(m.path / "third", b"and this")
     m.unmount()
     local = pool_content(pool)
-    assert pool_content(_replica_file(again)) == local
-    assert pool_content(_replica_file(targets[1])) == local
+    assert pool_content(replica_file(again)) == local
+    assert pool_content(replica_file(targets[1])) == local
     # The log names the replica that was missing.
     assert f"{targets[0].address}/app" in m.output(), m.output()[-3000:]
 
@@ -163,12 +136,12 @@ def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
     for i in range(20):
         _write_fsync(m.path / f"c{i}", bytes([i]) * 9000)
     os.kill(targets[1].proc.pid, signal.SIGCONT)
-    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=40), _status(m.path)
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=40), status_json(m.path)
     _write_fsync(m.path / "d", b"d" * 10000)
     m.unmount()
     local = pool_content(pool)
     for t in targets:
-        assert pool_content(_replica_file(t)) == local, t.address
+        assert pool_content(replica_file(t)) == local, t.address
 
 
 def _epoch(path: Path) -> str:
@@ -188,10 +161,10 @@ def test_an_old_initiator_is_fenced_off_a_replica_that_was_mounted_on_its_own(
     # Failover: the replica pool on target 1's node is mounted there on its own. It cannot
     # replicate to itself (its target daemon would have to open the pool the mount holds)
     # but it takes target 0 over as its replica.
-    promoted = _replica_file(targets[1])
+    promoted = replica_file(targets[1])
     p = mount_pool(promoted, name="promoted", options="pmem=force,min_replicas=0,replica_timeout=2")
-    assert _states(p.path) == ["in-sync", "stale"], _status(p.path)["replicas"]
-    assert "in use" in (_status(p.path)["replicas"][1]["last_error"] or "")
+    assert _states(p.path) == ["in-sync", "stale"], status_json(p.path)["replicas"]
+    assert "in use" in (status_json(p.path)["replicas"][1]["last_error"] or "")
     _write_fsync(p.path / "after", b"written by the new primary")
     p.unmount()
     new_epoch = _epoch(promoted)
@@ -215,7 +188,7 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
     for i in range(8):
         _write_fsync(m.path / f"f{i}", os.urandom(70000))
     # A replica damaged under a live mount: a byte flipped in its file on the target node.
-    victim = _replica_file(targets[0])
+    victim = replica_file(targets[0])
     data_at = 48 << 20
     with open(victim, "r+b") as f:
         f.seek(data_at)
@@ -237,7 +210,7 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
     assert cli("verify", m.path).returncode == 0
     m.unmount()
     # And on the unmounted pool: damage, verify finds it, sync repairs only that chunk.
-    with open(_replica_file(targets[1]), "r+b") as f:
+    with open(replica_file(targets[1]), "r+b") as f:
         f.seek(4096 + 100)  # the backup header block: metadata, not data
         f.write(b"\x00\x01\x02")
     res = cli("verify", pool, "--json")
@@ -250,7 +223,7 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
     assert res.returncode == 0, res.stdout + res.stderr
     local = pool_content(pool)
     for t in targets:
-        assert pool_content(_replica_file(t)) == local
+        assert pool_content(replica_file(t)) == local
 
 
 def test_recover_rebuilds_a_lost_pool_from_a_replica(
@@ -270,7 +243,7 @@ def test_recover_rebuilds_a_lost_pool_from_a_replica(
     refused = cli("recover", pool, "--from", f"{targets[1].address}/app")
     assert refused.returncode != 0 and "exists" in refused.stderr, refused.stderr
     m = mount_pool(pool, name="recovered", options="pmem=force,replica_timeout=5")
-    replicas = _status(m.path)["replicas"]
+    replicas = status_json(m.path)["replicas"]
     assert [r["state"] for r in replicas] == ["in-sync", "in-sync"], replicas
     # The source needed nothing; the other replica was compared in full (nothing says how
     # far it had got) and found identical.
@@ -280,3 +253,36 @@ def test_recover_rebuilds_a_lost_pool_from_a_replica(
     for name, data in files.items():
         assert (m.path / name).read_bytes() == data
     m.unmount()
+
+
+def test_kill9_of_the_initiator_while_a_replica_is_stale_then_both_catch_up(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=2")
+    acked: dict[str, bytes] = {}
+    targets[1].kill()
+    for i in range(15):
+        data = os.urandom(9000 + i)
+        _write_fsync(m.path / f"f{i}", data)
+        acked[f"f{i}"] = data
+    # Unfsynced stores too: they reach the local pool, neither replica, nor the sync map.
+    with open(m.path / "f0", "r+b") as f:
+        f.write(b"never fsynced")
+    m.kill9()
+    again = _restart(targets[1], work_dir, 1)
+    targets.append(again)
+    m = mount_pool(pool, name="after-crash", options="pmem=force,replica_timeout=5")
+    replicas = status_json(m.path)["replicas"]
+    assert [r["state"] for r in replicas] == ["in-sync", "in-sync"], replicas
+    # The mount did not end cleanly, so the map is not trusted: both were compared in full,
+    # and the one that missed the fsyncs got what differs.
+    for r in replicas:
+        assert r["last_resync"]["compared_chunks"] > 0, r
+    assert replicas[0]["last_resync"]["differing_chunks"] >= 1  # the unfsynced store
+    assert replicas[1]["last_resync"]["differing_chunks"] >= 2
+    for name, data in acked.items():
+        got = (m.path / name).read_bytes()
+        assert got == data or (name == "f0" and got[:13] == b"never fsynced"), name
+    m.unmount()
+    assert cli("verify", pool).returncode == 0

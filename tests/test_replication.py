@@ -10,10 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from conftest import MountPool
 from helpers import (
     Mount,
@@ -24,29 +22,12 @@ from helpers import (
     fsync_tree,
     make_tree,
     pool_content,
+    replica_file,
     snapshot,
+    status_json,
 )
 
 from rpmemfs.target.spawn import TargetProcess
-
-
-@pytest.fixture
-def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
-    """Two target daemons on loopback: one declares the appliance method, one general purpose."""
-    procs = []
-    for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
-        d = work_dir / f"target{i}"
-        d.mkdir()
-        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
-        t.start()
-        procs.append(t)
-    yield procs
-    for t in procs:
-        t.close()
-
-
-def _replica_file(t: TargetProcess, name: str) -> Path:
-    return Path(t.argv[t.argv.index("--pool-dir") + 1]) / name
 
 
 def _mkfs_replicated(pool: Path, targets: list[TargetProcess], name: str = "app",
@@ -61,15 +42,9 @@ def _mkfs_replicated(pool: Path, targets: list[TargetProcess], name: str = "app"
 def _mount_copy_alone(work_dir: Path, t: TargetProcess, i: int, mount_pool: MountPool) -> Mount:
     """Copy the (stopped) target's replica pool and mount the copy on its own: failover."""
     copy = work_dir / f"copy{i}.pool"
-    shutil.copy(_replica_file(t, "app"), copy)
+    shutil.copy(replica_file(t, "app"), copy)
     assert_check_clean(copy)
     return mount_pool(copy, name=f"alone{i}", options="pmem=force,min_replicas=0,replica_timeout=2")
-
-
-def _status(mnt: Path) -> dict:  # type: ignore[type-arg]
-    res = cli("status", mnt, "--json")
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
 
 
 def test_fsync_reaches_every_replica(work_dir: Path, targets: list[TargetProcess],
@@ -79,7 +54,7 @@ def test_fsync_reaches_every_replica(work_dir: Path, targets: list[TargetProcess
     m = mount_pool(pool)
     make_tree(m.path, random.Random(3), nfiles=30, max_size=150_000)
     fsync_tree(m.path)
-    st = _status(m.path)
+    st = status_json(m.path)
     assert [r["state"] for r in st["replicas"]] == ["in-sync", "in-sync"]
     assert {r["method"] for r in st["replicas"]} == {"apm", "gpspm"}
     for r in st["replicas"]:
@@ -89,7 +64,7 @@ def test_fsync_reaches_every_replica(work_dir: Path, targets: list[TargetProcess
     m.unmount()
     local = pool_content(pool)
     for t in targets:
-        assert pool_content(_replica_file(t, "app")) == local, f"replica on {t.address} differs"
+        assert pool_content(replica_file(t, "app")) == local, f"replica on {t.address} differs"
     # a copy of a replica, mounted on its own, is the same filesystem
     for t in targets:
         t.stop()
@@ -111,7 +86,7 @@ def test_mount_refuses_unreachable_replicas_unless_allowed(
     ok = mount_pool(pool, name="ok", options="pmem=force,min_replicas=1,replica_timeout=2")
     (ok.path / "f").write_bytes(b"one replica is enough here")
     fsync_path(ok.path / "f")
-    states = {r["address"]: r["state"] for r in _status(ok.path)["replicas"]}
+    states = {r["address"]: r["state"] for r in status_json(ok.path)["replicas"]}
     assert states[targets[0].address] == "in-sync" and states[targets[1].address] != "in-sync"
 
 
@@ -180,12 +155,12 @@ def test_replica_left_behind_gets_only_what_it_missed_at_the_next_mount(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
     _mkfs_replicated(pool, targets, size="256M")
-    behind = _replica_file(targets[1], "app")
+    behind = replica_file(targets[1], "app")
     targets[1].stop()
     m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=2")
     (m.path / "f").write_bytes(b"written while replica 2 was away")
     fsync_path(m.path / "f")
-    st = _status(m.path)
+    st = status_json(m.path)
     assert [r["state"] for r in st["replicas"]] == ["in-sync", "stale"], st["replicas"]
     m.unmount()
     assert pool_content(behind) != pool_content(pool)
@@ -195,7 +170,7 @@ def test_replica_left_behind_gets_only_what_it_missed_at_the_next_mount(
     again.start()
     targets.append(again)  # the fixture stops it
     m = mount_pool(pool, name="again", options="pmem=force,replica_timeout=5")
-    st = _status(m.path)
+    st = status_json(m.path)
     assert [r["state"] for r in st["replicas"]] == ["in-sync", "in-sync"], st["replicas"]
     resync = st["replicas"][1]["last_resync"]
     # Only the chunks the sync map recorded crossed the wire, not the 256 MiB pool.
@@ -225,7 +200,7 @@ def test_verify_compares_chunk_checksums_and_finds_a_flipped_byte(
     assert all(r["chunks"] == 64 * 1024 // 64 for r in report["replicas"])  # 64M pool, 64K chunks
 
     # One byte flipped in the middle of the second replica's pool: exactly that chunk differs.
-    victim = _replica_file(targets[1], "app")
+    victim = replica_file(targets[1], "app")
     at = 40 * 1024 * 1024 + 12345
     with open(victim, "r+b") as f:
         f.seek(at)
