@@ -1,0 +1,296 @@
+"""`rpmemfs soak`: writers doing write + fsync against two replicas while target daemons are
+killed and restarted at random; then every acknowledged write is checked everywhere.
+
+Each writer process owns its files and journals every write whose fsync returned (file,
+offset, length, the seed of its bytes) to a journal outside the mount, fsynced. At the end
+the journals are replayed into a model of every file, and the model is compared with the
+local pool mounted again and with each replica's pool (a copy, mounted on its own with the
+targets stopped); `rpmemfs verify` must be clean too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rpmemfs.target.spawn import TargetProcess
+
+FILES_PER_WRITER = 4
+FILE_SPAN = 1 << 20
+
+_WRITER = r"""
+import hashlib, os, random, sys
+mnt, journal, wid, stop = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+rng = random.Random(wid)
+j = os.open(journal, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+fds = [os.open(os.path.join(mnt, f"w{wid}-{k}"), os.O_CREAT | os.O_RDWR, 0o644) for k in range(FILES)]
+op = 0
+while not os.path.exists(stop):
+    k = rng.randrange(FILES)
+    off = rng.randrange(SPAN // 512) * 512
+    length = rng.choice([512, 4096, 4096, 20000, 65536])
+    seed = wid * 1_000_000_000 + op
+    data = random.Random(seed).randbytes(length)
+    os.pwrite(fds[k], data, off)
+    try:
+        os.fsync(fds[k])
+    except OSError as e:
+        os.write(j, f"FAIL {k} {off} {length} {seed} {e.errno}\n".encode())
+        os.fsync(j)
+        op += 1
+        continue
+    os.write(j, f"OK {k} {off} {length} {seed}\n".encode())
+    os.fsync(j)
+    op += 1
+""".replace("FILES", str(FILES_PER_WRITER)).replace("SPAN", str(FILE_SPAN))
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"[soak {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def _rpmemfs(*args: str | os.PathLike[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run([sys.executable, "-m", "rpmemfs.cli", *map(str, args)],
+                         capture_output=True, text=True, timeout=300)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"rpmemfs {' '.join(map(str, args))} failed: {res.stderr.strip()}")
+    return res
+
+
+class Mount:
+    """A foreground `rpmemfs mount` process and its mountpoint."""
+
+    def __init__(self, pool: Path, path: Path, options: str) -> None:
+        path.mkdir(exist_ok=True)
+        self.path = path
+        self.log = path.with_suffix(".log")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rpmemfs.cli", "mount", str(pool), str(path), "-f", "-o",
+             f"{options},log={self.log}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while not os.path.ismount(path):
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"mount of {pool} failed: {err.strip()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mount of {pool} did not come up")
+            time.sleep(0.05)
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(_rpmemfs("status", self.path, "--json").stdout)  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if os.path.ismount(self.path):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+
+
+def _model(journals: list[Path]) -> tuple[dict[str, tuple[bytearray, bytearray]], int, int, int]:
+    """Files as the acknowledged writes made them, each with a mask of the bytes that are
+    certain (a write whose fsync failed may or may not be there, until a later acknowledged
+    write covers it); and the counts of writes, bytes and failed fsyncs."""
+    files: dict[str, tuple[bytearray, bytearray]] = {}
+    ops = nbytes = failed = 0
+    for wid, journal in enumerate(journals):
+        for line in journal.read_text().splitlines():
+            kind, k, off_s, length_s, seed = line.split()[:5]
+            off, length = int(off_s), int(length_s)
+            data, mask = files.setdefault(f"w{wid}-{k}", (bytearray(), bytearray()))
+            end = off + length
+            if len(data) < end:
+                data.extend(bytes(end - len(data)))
+                mask.extend(b"\x01" * (end - len(mask)))
+            if kind == "OK":
+                data[off:end] = random.Random(int(seed)).randbytes(length)
+                mask[off:end] = b"\x01" * length
+                ops += 1
+                nbytes += length
+            else:
+                mask[off:end] = bytes(length)
+                failed += 1
+    return files, ops, nbytes, failed
+
+
+def _check(root: Path, files: dict[str, tuple[bytearray, bytearray]], what: str) -> tuple[int, list[str]]:
+    """Bytes compared and the problems found."""
+    checked = 0
+    problems = []
+    for name, (want, mask) in files.items():
+        try:
+            got = bytearray((root / name).read_bytes()[: len(want)])
+        except OSError as e:
+            problems.append(f"{what}: {name}: {e}")
+            continue
+        got.extend(bytes(len(want) - len(got)))
+        uncertain = [i for i, m in enumerate(mask) if not m] if not all(mask) else []
+        for i in uncertain:  # either content is right there
+            got[i] = want[i]
+        if got != want:
+            first = next(i for i in range(len(want)) if got[i] != want[i])
+            problems.append(f"{what}: {name} differs from the acknowledged writes at byte {first}")
+        checked += len(want) - len(uncertain)
+    return checked, problems
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rpmemfs-soak-", dir="/dev/shm"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    targets: list[TargetProcess] = []
+    mount: Mount | None = None
+    writers: list[subprocess.Popen[bytes]] = []
+    report: dict[str, Any] = {"work_dir": str(work), "seconds": args.seconds, "writers": args.writers,
+                              "faults": 0, "problems": []}
+    try:
+        for i in range(2):
+            d = work / f"target{i}"
+            d.mkdir(exist_ok=True)
+            t = TargetProcess(d, pmem="force", persist="apm" if i == 0 else None,
+                              log_path=work / f"target{i}.log")
+            t.start()
+            targets.append(t)
+        pool = work / "soak.pool"
+        _rpmemfs("mkfs", pool, "--size", args.pool_size, "--force",
+                 *(a for t in targets for a in ("--replica", f"{t.address}/soak")))
+        mount = Mount(pool, work / "mnt", "pmem=force,min_replicas=1,replica_timeout=2")
+        stop = work / "stop"
+        stop.unlink(missing_ok=True)
+        journals = [work / f"journal{w}" for w in range(args.writers)]
+        for j in journals:
+            j.unlink(missing_ok=True)
+        for w, j in enumerate(journals):
+            writers.append(subprocess.Popen([sys.executable, "-c", _WRITER, str(mount.path), str(j), str(w),
+                                             str(stop)]))
+        _log(f"{args.writers} writers, two targets ({', '.join(t.address for t in targets)}), "
+             f"{args.seconds} s, a fault every ~{args.kill_every} s")
+        t_end = time.monotonic() + args.seconds
+        next_fault = time.monotonic() + rng.expovariate(1 / args.kill_every)
+        last_progress = time.monotonic()
+        while time.monotonic() < t_end:
+            if any(p.poll() is not None for p in writers):
+                raise RuntimeError("a writer died: " + ", ".join(str(p.returncode) for p in writers))
+            now = time.monotonic()
+            if now >= next_fault and all(r["state"] == "in-sync" for r in mount.status()["replicas"]):
+                # One target down at a time: the policy (min_replicas=1) then always holds.
+                i = rng.randrange(2)
+                victim = targets[i]
+                victim.kill()
+                report["faults"] += 1
+                time.sleep(rng.uniform(0.2, 2.0))
+                again = TargetProcess(victim.argv[victim.argv.index("--pool-dir") + 1], listen=victim.address,
+                                      pmem="force", persist="apm" if i == 0 else None,
+                                      log_path=work / f"target{i}-{report['faults']}.log")
+                again.start()
+                victim.close()
+                targets[i] = again
+                next_fault = time.monotonic() + rng.expovariate(1 / args.kill_every)
+            if now - last_progress > 5:
+                last_progress = now
+                states = [r["state"] for r in mount.status()["replicas"]]
+                ops = sum(len(j.read_text().splitlines()) for j in journals if j.exists())
+                _log(f"{ops} writes acknowledged, {report['faults']} faults, replicas {states}")
+            time.sleep(0.05)
+        stop.touch()
+        for p in writers:
+            p.wait(60)
+        # Both replicas in sync before the end: a fault just before it needs its resync.
+        deadline = time.monotonic() + 90
+        while True:
+            st = mount.status()["replicas"]
+            if all(r["state"] == "in-sync" for r in st) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        report["replica_states"] = [r["state"] for r in st]
+        report["resyncs"] = sum(r.get("resyncs", 0) for r in st)
+        mount.stop()
+        mount = None
+        files, ops, nbytes, failed = _model(journals)
+        report.update(operations=ops, bytes_written=nbytes, failed_fsyncs=failed)
+        if failed:
+            report["problems"].append(f"{failed} fsyncs failed although one replica was always up")
+        verify = _rpmemfs("verify", pool, check=False)
+        if verify.returncode != 0:
+            report["problems"].append("rpmemfs verify found differences:\n" + verify.stdout[-2000:])
+        checked = 0
+        again_mount = Mount(pool, work / "local", "pmem=force,replica_timeout=5")
+        try:
+            n, problems = _check(again_mount.path, files, "local pool")
+        finally:
+            again_mount.stop()
+        checked += n
+        report["problems"] += problems
+        for t in targets:
+            t.stop()
+        for i, t in enumerate(targets):
+            copy = work / f"replica{i}.pool"
+            shutil.copy(Path(t.argv[t.argv.index("--pool-dir") + 1]) / "soak", copy)
+            alone = Mount(copy, work / f"alone{i}", "pmem=force,min_replicas=0,replica_timeout=1")
+            try:
+                n, problems = _check(alone.path, files, f"replica {i}")
+            finally:
+                alone.stop()
+            checked += n
+            report["problems"] += problems
+        report["bytes_checked"] = checked
+    finally:
+        for p in writers:
+            if p.poll() is None:
+                p.kill()
+        if mount is not None:
+            mount.stop()
+        for t in targets:
+            t.close()
+    report["result"] = "PASS" if not report["problems"] and report.get("bytes_checked") else "FAIL"
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rpmemfs soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", help="work directory (default: a new one under /dev/shm)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--writers", type=int, default=3)
+    p.add_argument("--pool-size", default="256M")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kill-every", type=float, default=5.0, help="mean seconds between target kills")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    args = p.parse_args(argv)
+    if args.writers < 1 or args.seconds <= 0 or args.kill_every <= 0:
+        p.error("--writers, --seconds and --kill-every must be positive")
+    report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"soak: {report.get('operations', 0)} acknowledged writes "
+          f"({report.get('bytes_written', 0)} bytes) by {args.writers} writers in {args.seconds:g} s; "
+          f"{report['faults']} target kills, {report.get('resyncs', 0)} resyncs; "
+          f"{report.get('bytes_checked', 0)} bytes checked on the local pool and both replicas: "
+          f"{report['result']}")
+    for problem in report["problems"][:20]:
+        print(f"  {problem}")
+    if not args.keep and not args.dir:
+        shutil.rmtree(report["work_dir"], ignore_errors=True)
+    return 0 if report["result"] == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
