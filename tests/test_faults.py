@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,45 @@ def test_kill9_of_the_initiator_while_a_replica_is_stale_then_both_catch_up(
         assert got == data or (name == "f0" and got[:13] == b"never fsynced"), name
     m.unmount()
     assert cli("verify", pool).returncode == 0
+
+
+def test_a_full_disk_on_a_target_refuses_new_pools_and_leaves_existing_ones_working(
+        work_dir: Path, mount_pool: MountPool) -> None:
+    small = work_dir / "small-disk"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160M", "tmpfs", str(small)], check=True)
+    targets: list[TargetProcess] = []
+    try:
+        for i, d in enumerate((work_dir / "roomy", small)):
+            d.mkdir(exist_ok=True)
+            t = TargetProcess(d, pmem="force", log_path=work_dir / f"t{i}.log")
+            t.start()
+            targets.append(t)
+        pool = work_dir / "app.pool"
+        _mkfs(pool, targets)  # 128M on each: fits
+        m = mount_pool(pool, options="pmem=force,replica_timeout=5")
+        _write_fsync(m.path / "a", b"a" * 50000)
+        # Fill the target's disk to the last block.
+        with open(small / ".filler", "wb") as f:
+            try:
+                while True:
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        # Its pool's space was reserved when it was made: replication goes on.
+        for i in range(10):
+            _write_fsync(m.path / f"b{i}", os.urandom(30000))
+        assert _states(m.path) == ["in-sync", "in-sync"]
+        # A new pool on the full target is refused, clearly, and nothing half made stays.
+        other = work_dir / "other.pool"
+        res = cli("mkfs", other, "--size", "16M", "--replica", f"{targets[1].address}/other")
+        assert res.returncode != 0
+        assert "not enough free space" in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert not (small / "other").exists()
+        m.unmount()
+        assert pool_content(replica_file(targets[1])) == pool_content(pool)
+    finally:
+        for t in targets:
+            t.close()
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
