@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,55 @@ def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
         if t.proc is not None and t.proc.poll() is None:
             os.kill(t.proc.pid, signal.SIGCONT)
         t.close()
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Host:
+    """A target daemon on a host of its own: a network namespace behind a veth link."""
+
+    netns: str
+    veth: str  # the host side of its link
+    target: TargetProcess
+
+
+@pytest.fixture
+def hosts(work_dir: Path) -> Iterator[list[Host]]:
+    """Two hosts 10.201.N.2, each reached over its own veth link from 10.201.N.1; a token in
+    work_dir/token (a target that is not on loopback requires one)."""
+    tag = uuid.uuid4().hex[:6]
+    net = int(tag, 16) % 120 * 2  # two /30 links in 10.201.net.0 - 10.201.net+1.3
+    token = work_dir / "token"
+    token.write_text(uuid.uuid4().hex + "\n")
+    token.chmod(0o600)
+    made: list[Host] = []
+    try:
+        for i in range(2):
+            ns, veth, peer = f"rpm-{tag}-{i}", f"vh{tag}{i}", f"vn{tag}{i}"
+            try:
+                ip("netns", "add", ns)
+            except subprocess.CalledProcessError as exc:
+                pytest.skip(f"cannot create a network namespace here: {exc.stderr.strip()}")
+            ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+            ip("link", "set", peer, "netns", ns)
+            ip("addr", "add", f"10.201.{net + i}.1/30", "dev", veth)
+            ip("link", "set", veth, "up")
+            ip("-n", ns, "addr", "add", f"10.201.{net + i}.2/30", "dev", peer)
+            ip("-n", ns, "link", "set", peer, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            d = work_dir / f"host{i}"
+            d.mkdir()
+            t = TargetProcess(d, listen=f"10.201.{net + i}.2:7420", token_file=token, pmem="force",
+                              persist="apm" if i == 0 else None, prefix=["ip", "netns", "exec", ns],
+                              log_path=work_dir / f"host{i}.log")
+            made.append(Host(ns, veth, t))
+            t.start()
+        yield made
+    finally:
+        for h in made:
+            h.target.close()
+            subprocess.run(["ip", "link", "del", h.veth], capture_output=True)
+            subprocess.run(["ip", "netns", "del", h.netns], capture_output=True)

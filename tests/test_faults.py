@@ -1,6 +1,7 @@
 """Failures of replicas while a mount serves: kill -9, SIGSTOP past the timeout, return, rejoin.
 
-Each test runs real target daemons and a real FUSE mount; the faults are real (signals to the
+Each test runs real target daemons, each on a host of its own (a network namespace the test
+creates, behind a veth link), and a real FUSE mount; the faults are real (signals to the
 target processes). What they assert: no fsync acknowledged under the policy is missing on a
 replica counted in sync, the mount keeps serving (or says EIO) as ``min_replicas`` says, and a
 replica that comes back receives what it missed and rejoins.
@@ -16,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import MountPool
+from conftest import Host, MountPool
 from helpers import cli, fsync_path, pool_content, replica_file, status_json, wait_until
 
 from rpmemfs.target.spawn import TargetProcess
@@ -24,8 +25,17 @@ from rpmemfs.target.spawn import TargetProcess
 POOL_SIZE = "128M"
 
 
+@pytest.fixture
+def targets(hosts: list[Host]) -> list[TargetProcess]:
+    """The two targets, each on a host of its own (a network namespace behind a veth link)."""
+    return [h.target for h in hosts]
+
+
 def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
     args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", POOL_SIZE]
+    token = pool.parent / "token"
+    if token.exists():
+        args += ["--token-file", token]
     for t in targets:
         args += ["--replica", f"{t.address}/app"]
     res = cli(*args)
@@ -37,15 +47,22 @@ def _states(mnt: Path) -> list[str]:
 
 
 def _restart(t: TargetProcess, work_dir: Path, n: int) -> TargetProcess:
-    """The same daemon (pool dir, options) again, on the address it had."""
-    argv = t.argv
-    again = TargetProcess(
-        argv[argv.index("--pool-dir") + 1], listen=t.address,
-        pmem=argv[argv.index("--pmem") + 1] if "--pmem" in argv else None,
-        persist=argv[argv.index("--persist") + 1] if "--persist" in argv else None,
-        log_path=work_dir / f"restarted{n}.log")
+    """The same daemon (host, pool dir, options) again, on the address it had."""
+    again = t.respawn(log_path=work_dir / f"restarted{n}.log")
     again.start()
     return again
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP, and wait until every thread of the process is stopped (delivery is not
+    immediate for a thread running on another CPU)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        tasks = Path(f"/proc/{pid}/task")
+        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks.iterdir())
+
+    assert wait_until(stopped, timeout=10)
 
 
 def _write_fsync(path: Path, data: bytes) -> None:
@@ -130,7 +147,7 @@ def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
     m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=1")
     _write_fsync(m.path / "a", b"a" * 10000)
     assert targets[1].proc is not None
-    os.kill(targets[1].proc.pid, signal.SIGSTOP)
+    _stop(targets[1].proc.pid)
     # The first fsync waits out the timeout on the stopped replica, then succeeds (policy 1).
     _write_fsync(m.path / "b", b"b" * 10000)
     assert _states(m.path) == ["in-sync", "stale"]
@@ -238,10 +255,11 @@ def test_recover_rebuilds_a_lost_pool_from_a_replica(
     m.unmount()
     before = pool_content(pool)
     pool.unlink()  # the local node lost its pool
-    res = cli("recover", pool, "--from", f"{targets[1].address}/app")
+    token = work_dir / "token"
+    res = cli("recover", pool, "--from", f"{targets[1].address}/app", "--token-file", token)
     assert res.returncode == 0, res.stdout + res.stderr
     assert pool_content(pool) == before
-    refused = cli("recover", pool, "--from", f"{targets[1].address}/app")
+    refused = cli("recover", pool, "--from", f"{targets[1].address}/app", "--token-file", token)
     assert refused.returncode != 0 and "exists" in refused.stderr, refused.stderr
     m = mount_pool(pool, name="recovered", options="pmem=force,replica_timeout=5")
     replicas = status_json(m.path)["replicas"]

@@ -10,65 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-from conftest import MountPool
+from conftest import Host, MountPool, ip
 from helpers import cli, pool_content, replica_file, status_json, wait_until
-
-from rpmemfs.target.spawn import TargetProcess
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-@dataclass
-class Host:
-    netns: str
-    veth: str  # the host side of its link
-    target: TargetProcess
-
-
-@pytest.fixture
-def hosts(work_dir: Path) -> Iterator[list[Host]]:
-    """Two hosts 10.201.N.2, each reached over its own veth link from 10.201.N.1."""
-    tag = uuid.uuid4().hex[:6]
-    token = work_dir / "token"
-    token.write_text(uuid.uuid4().hex + "\n")
-    token.chmod(0o600)
-    made: list[Host] = []
-    try:
-        for i in range(2):
-            ns, veth, peer = f"rpm-{tag}-{i}", f"vh{tag}{i}", f"vn{tag}{i}"
-            try:
-                _ip("netns", "add", ns)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot create a network namespace here: {exc.stderr.strip()}")
-            _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
-            _ip("link", "set", peer, "netns", ns)
-            _ip("addr", "add", f"10.201.{i}.1/30", "dev", veth)
-            _ip("link", "set", veth, "up")
-            _ip("-n", ns, "addr", "add", f"10.201.{i}.2/30", "dev", peer)
-            _ip("-n", ns, "link", "set", peer, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            d = work_dir / f"host{i}"
-            d.mkdir()
-            t = TargetProcess(d, listen=f"10.201.{i}.2:7420", token_file=token, pmem="force",
-                              persist="apm" if i == 0 else None, prefix=["ip", "netns", "exec", ns],
-                              log_path=work_dir / f"host{i}.log")
-            made.append(Host(ns, veth, t))
-            t.start()
-        yield made
-    finally:
-        for h in made:
-            h.target.close()
-            subprocess.run(["ip", "link", "del", h.veth], capture_output=True)
-            subprocess.run(["ip", "netns", "del", h.netns], capture_output=True)
 
 
 def _write_fsync(path: Path, data: bytes) -> None:
@@ -100,13 +45,13 @@ def test_a_cut_link_costs_one_timeout_and_the_replica_catches_up_when_it_is_back
 
     for i in range(10):
         write(f"before{i}")
-    _ip("link", "set", hosts[1].veth, "down")
+    ip("link", "set", hosts[1].veth, "down")
     for i in range(30):
         write(f"cut{i}")  # the first one waits out the timeout; all succeed by the policy
     assert _states(m.path) == ["in-sync", "stale"]
     reason = status_json(m.path)["replicas"][1]["last_error"]
     assert hosts[1].target.address in reason, reason
-    _ip("link", "set", hosts[1].veth, "up")
+    ip("link", "set", hosts[1].veth, "up")
     assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=60), status_json(m.path)
     resync = status_json(m.path)["replicas"][1]["last_resync"]
     assert resync["compared_chunks"] == 0 and 0 < resync["bytes_sent"] < 32 << 20, resync

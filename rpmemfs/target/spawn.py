@@ -89,6 +89,18 @@ class TargetProcess:
         self.address = text[len(READY_PREFIX) :]
         return self.address
 
+    def respawn(self, log_path: str | os.PathLike[str] | None = None) -> TargetProcess:
+        """The same daemon again (options, prefix), listening where this one did; not started."""
+        again = TargetProcess.__new__(TargetProcess)
+        argv = list(self.argv)
+        argv[argv.index("--listen") + 1] = self.address
+        again.argv = argv
+        again._log_path = os.fspath(log_path) if log_path is not None else None
+        again._log = None
+        again.proc = None
+        again.address = ""
+        return again
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
