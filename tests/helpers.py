@@ -489,3 +489,13 @@ def status_json(mnt: Path) -> dict[str, Any]:
     res = cli("status", mnt, "--json")
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)  # type: ignore[no-any-return]
+
+
+def write_fsync(path: Path, data: bytes) -> None:
+    """Create or truncate ``path``, write ``data`` and fsync it."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Host, MountPool
-from helpers import cli, fsync_path, pool_content, replica_file, status_json, wait_until
+from helpers import cli, fsync_path, pool_content, replica_file, status_json, wait_until, write_fsync
 
 from rpmemfs.target.spawn import TargetProcess
 
@@ -65,15 +65,6 @@ def _stop(pid: int) -> None:
     assert wait_until(stopped, timeout=10)
 
 
-def _write_fsync(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
@@ -82,13 +73,13 @@ def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
     acked: dict[str, bytes] = {}
     for i in range(20):
         data = os.urandom(5000 + i)
-        _write_fsync(m.path / f"before{i}", data)
+        write_fsync(m.path / f"before{i}", data)
         acked[f"before{i}"] = data
     targets[1].kill()
     # Every fsync still succeeds: one in-sync replica is what the policy asks.
     for i in range(40):
         data = os.urandom(3000 + 7 * i)
-        _write_fsync(m.path / f"during{i}", data)
+        write_fsync(m.path / f"during{i}", data)
         acked[f"during{i}"] = data
     assert _states(m.path) == ["in-sync", "stale"]
     again = _restart(targets[1], work_dir, 1)
@@ -100,7 +91,7 @@ def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
     assert resync["compared_chunks"] == 0 and 0 < resync["bytes_sent"] < 16 << 20, resync
     for i in range(10):
         data = os.urandom(1000 + i)
-        _write_fsync(m.path / f"after{i}", data)
+        write_fsync(m.path / f"after{i}", data)
         acked[f"after{i}"] = data
     for name, data in acked.items():
         assert (m.path / name).read_bytes() == data, name
@@ -117,10 +108,10 @@ def test_fsync_says_eio_below_min_replicas_and_works_again_when_the_replica_is_b
     pool = work_dir / "app.pool"
     _mkfs(pool, targets)
     m = mount_pool(pool, options="pmem=force,replica_timeout=2")  # min_replicas: all
-    _write_fsync(m.path / "first", b"both replicas have this")
+    write_fsync(m.path / "first", b"both replicas have this")
     targets[0].kill()
     with pytest.raises(OSError) as err:
-        _write_fsync(m.path / "second", b"only local and one replica")
+        write_fsync(m.path / "second", b"only local and one replica")
     assert err.value.errno == errno.EIO
     # Nothing local is lost: the data is there, and reads keep working.
     assert (m.path / "second").read_bytes() == b"only local and one replica"
@@ -131,7 +122,7 @@ def test_fsync_says_eio_below_min_replicas_and_works_again_when_the_replica_is_b
     targets.append(again)
     assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=30), status_json(m.path)
     fsync_path(m.path / "second")
-    _write_fsync(m.path / "third", b"and this")
+    write_fsync(m.path / "third", b"and this")
     m.unmount()
     local = pool_content(pool)
     assert pool_content(replica_file(again)) == local
@@ -145,17 +136,17 @@ def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
     pool = work_dir / "app.pool"
     _mkfs(pool, targets)
     m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=1")
-    _write_fsync(m.path / "a", b"a" * 10000)
+    write_fsync(m.path / "a", b"a" * 10000)
     assert targets[1].proc is not None
     _stop(targets[1].proc.pid)
     # The first fsync waits out the timeout on the stopped replica, then succeeds (policy 1).
-    _write_fsync(m.path / "b", b"b" * 10000)
+    write_fsync(m.path / "b", b"b" * 10000)
     assert _states(m.path) == ["in-sync", "stale"]
     for i in range(20):
-        _write_fsync(m.path / f"c{i}", bytes([i]) * 9000)
+        write_fsync(m.path / f"c{i}", bytes([i]) * 9000)
     os.kill(targets[1].proc.pid, signal.SIGCONT)
     assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=40), status_json(m.path)
-    _write_fsync(m.path / "d", b"d" * 10000)
+    write_fsync(m.path / "d", b"d" * 10000)
     m.unmount()
     local = pool_content(pool)
     for t in targets:
@@ -173,7 +164,7 @@ def test_an_old_initiator_is_fenced_off_a_replica_that_was_mounted_on_its_own(
     pool = work_dir / "app.pool"
     _mkfs(pool, targets)
     m = mount_pool(pool, options="pmem=force,replica_timeout=2")
-    _write_fsync(m.path / "before", b"written by the first primary")
+    write_fsync(m.path / "before", b"written by the first primary")
     m.unmount()
     old_epoch = _epoch(pool)
     # Failover: the replica pool on target 1's node is mounted there on its own. It cannot
@@ -183,7 +174,7 @@ def test_an_old_initiator_is_fenced_off_a_replica_that_was_mounted_on_its_own(
     p = mount_pool(promoted, name="promoted", options="pmem=force,min_replicas=0,replica_timeout=2")
     assert _states(p.path) == ["in-sync", "stale"], status_json(p.path)["replicas"]
     assert "in use" in (status_json(p.path)["replicas"][1]["last_error"] or "")
-    _write_fsync(p.path / "after", b"written by the new primary")
+    write_fsync(p.path / "after", b"written by the new primary")
     p.unmount()
     new_epoch = _epoch(promoted)
     assert new_epoch != old_epoch
@@ -204,7 +195,7 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
     _mkfs(pool, targets)
     m = mount_pool(pool, options="pmem=force,replica_timeout=5")
     for i in range(8):
-        _write_fsync(m.path / f"f{i}", os.urandom(70000))
+        write_fsync(m.path / f"f{i}", os.urandom(70000))
     # A replica damaged under a live mount: a byte flipped in its file on the target node.
     victim = replica_file(targets[0])
     data_at = 48 << 20
@@ -251,7 +242,7 @@ def test_recover_rebuilds_a_lost_pool_from_a_replica(
     m = mount_pool(pool, options="pmem=force,replica_timeout=5")
     files = {f"f{i}": os.urandom(30000 + i) for i in range(12)}
     for name, data in files.items():
-        _write_fsync(m.path / name, data)
+        write_fsync(m.path / name, data)
     m.unmount()
     before = pool_content(pool)
     pool.unlink()  # the local node lost its pool
@@ -283,7 +274,7 @@ def test_kill9_of_the_initiator_while_a_replica_is_stale_then_both_catch_up(
     targets[1].kill()
     for i in range(15):
         data = os.urandom(9000 + i)
-        _write_fsync(m.path / f"f{i}", data)
+        write_fsync(m.path / f"f{i}", data)
         acked[f"f{i}"] = data
     # Unfsynced stores too: they reach the local pool, neither replica, nor the sync map.
     with open(m.path / "f0", "r+b") as f:
@@ -322,7 +313,7 @@ def test_a_full_disk_on_a_target_refuses_new_pools_and_leaves_existing_ones_work
         pool = work_dir / "app.pool"
         _mkfs(pool, targets)  # 128M on each: fits
         m = mount_pool(pool, options="pmem=force,replica_timeout=5")
-        _write_fsync(m.path / "a", b"a" * 50000)
+        write_fsync(m.path / "a", b"a" * 50000)
         # Fill the target's disk to the last block.
         with open(small / ".filler", "wb") as f:
             try:
@@ -333,7 +324,7 @@ def test_a_full_disk_on_a_target_refuses_new_pools_and_leaves_existing_ones_work
                 assert e.errno == errno.ENOSPC
         # Its pool's space was reserved when it was made: replication goes on.
         for i in range(10):
-            _write_fsync(m.path / f"b{i}", os.urandom(30000))
+            write_fsync(m.path / f"b{i}", os.urandom(30000))
         assert _states(m.path) == ["in-sync", "in-sync"]
         # A new pool on the full target is refused, clearly, and nothing half made stays.
         other = work_dir / "other.pool"

@@ -13,16 +13,7 @@ import shutil
 from pathlib import Path
 
 from conftest import Host, MountPool, ip
-from helpers import cli, pool_content, replica_file, status_json, wait_until
-
-
-def _write_fsync(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from helpers import cli, pool_content, replica_file, status_json, wait_until, write_fsync
 
 
 def _states(mnt: Path) -> list[str]:
@@ -40,7 +31,7 @@ def test_a_cut_link_costs_one_timeout_and_the_replica_catches_up_when_it_is_back
 
     def write(name: str) -> None:
         data = os.urandom(6000 + len(acked))
-        _write_fsync(m.path / name, data)
+        write_fsync(m.path / name, data)
         acked[name] = data
 
     for i in range(10):

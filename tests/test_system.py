@@ -10,21 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_check_clean, cli, is_mounted, mkfs, pool_content, wait_until
+from helpers import assert_check_clean, cli, is_mounted, mkfs, pool_content, wait_until, write_fsync
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "mount" / "mount.rpmemfs"
 SBIN_HELPER = Path("/sbin/mount.fuse.rpmemfs")
 RPMEMFS_BIN = str(Path(sys.executable).parent / "rpmemfs")
-
-
-def _write_fsync(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _umount(mnt: Path) -> None:
@@ -51,7 +42,7 @@ def test_mount_helper_background_and_umount(work_dir: Path) -> None:
     res = _run_helper(pool, mnt, "rw,nofail,_netdev,pmem=force")  # fstab options included
     assert res.returncode == 0, res.stderr
     assert is_mounted(mnt), "the helper returned before the filesystem was mounted"
-    _write_fsync(mnt / "f", b"through mount(8)")
+    write_fsync(mnt / "f", b"through mount(8)")
     _umount(mnt)
     # the background daemon persists and exits once the kernel lets go
     assert wait_until(lambda: _daemon_gone(pool), 15), "daemon still running after umount"
@@ -88,7 +79,7 @@ def test_mount_t_fuse_rpmemfs(work_dir: Path, monkeypatch: pytest.MonkeyPatch) -
                              env=env, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
         assert is_mounted(mnt)
-        _write_fsync(mnt / "x", b"mount -t")
+        write_fsync(mnt / "x", b"mount -t")
         assert (mnt / "x").read_bytes() == b"mount -t"
         _umount(mnt)
     finally:
@@ -116,7 +107,7 @@ def test_demo_runs_and_stops_cleanly(work_dir: Path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(lambda: is_mounted(demo / "mnt"), 30), "demo did not mount"
-        _write_fsync(demo / "mnt" / "hello", b"demo")
+        write_fsync(demo / "mnt" / "hello", b"demo")
         status = cli("status", demo / "mnt", "--json")
         assert status.returncode == 0, status.stderr
         import json
@@ -146,7 +137,7 @@ def test_status_without_xattrs_and_socket_cleanup(work_dir: Path) -> None:
     res = cli("mount", pool, mnt, "-o", "pmem=force,noxattr")
     assert res.returncode == 0, res.stderr
     try:
-        _write_fsync(mnt / "f", b"x" * 5000)
+        write_fsync(mnt / "f", b"x" * 5000)
         with pytest.raises(OSError):  # the kernel no longer forwards xattr calls
             os.setxattr(mnt / "f", "user.k", b"v")
         st = cli("status", mnt, "--json")
