@@ -4,7 +4,7 @@
 #   - the VM: vm/setup.sh (Debian packages, the Debian kernel, the initramfs);
 #   - vm/venv: a venv of Debian's /usr/bin/python3, the one interpreter python3-pyverbs is
 #     built for (--system-site-packages, so pyverbs imports), with pytest and trio from PyPI.
-# Arguments go to pytest. Exit status: pytest's, or 125 when the VM could not start.
+# Arguments go to pytest (--setup-only: prepare the VM and vm/venv, run nothing). Exit status: pytest's, or 125 when the VM could not start.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,9 +38,14 @@ if ! "$py" -m pip show -q rpmemfs >/dev/null 2>&1; then
 fi
 
 # Byte-compile on the host, where it is quick: under TCG, compiling a module costs seconds.
-"$py" -m compileall -q tests/verbs tests/conftest.py tests/helpers.py >/dev/null
+"$py" -m compileall -q rpmemfs tests/verbs tests/test_lanes.py tests/conftest.py tests/helpers.py >/dev/null
 
-env -u PYTHONDONTWRITEBYTECODE vm/run.sh "$py" -m pytest -q tests/verbs "$@"
+[ "${1:-}" = --setup-only ] && exit 0
+
+# tests/verbs: raw pyverbs between two processes, and one mount replicated over verbs;
+# tests/test_lanes.py: the transport-level cases shared with TCP, their rdma half.
+env -u PYTHONDONTWRITEBYTECODE vm/run.sh "$py" -m pytest -q -p no:cacheprovider \
+    tests/verbs "tests/test_lanes.py" -k "rdma or not test_lanes" "$@"
 rc=$?
 [ "$rc" = 125 ] && cannot_start
 exit "$rc"

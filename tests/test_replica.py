@@ -73,10 +73,24 @@ def test_replica_spec_forms() -> None:
     assert str(ReplicaSpec.parse("tcp://[::1]:7420/app")) == "[::1]:7420/app"
 
 
+def test_replica_spec_transport() -> None:
+    """The scheme names the transport; a bare address is "auto"; identity ignores it."""
+    assert ReplicaSpec.parse("rdma://node2:7420/app").transport == "rdma"
+    assert ReplicaSpec.parse("TCP://node2:7420/app").transport == "tcp"
+    assert ReplicaSpec.parse("node2:7420/app").transport == "auto"
+    assert ReplicaSpec.parse("rdma://node2:7420/app").url == "rdma://node2:7420/app"
+    assert ReplicaSpec.parse("rdma://node2:7420/app") == ReplicaSpec.parse("tcp://node2:7420/app")
+    assert ReplicaSpec.parse("rdma://node2:7420/app").to_json() == {
+        "address": "node2:7420", "name": "app", "transport": "rdma"}
+    assert "transport" not in ReplicaSpec.parse("node2:7420/app").to_json()
+    text = "PMEMPOOLSET\n64M /p/a.pool\nREPLICA rdma://10.0.0.2:7420 app\nREPLICA tcp://h:1/b\n"
+    assert [r.transport for r in parse_poolset(text).replicas] == ["rdma", "tcp"]
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("node2:7420", "expected HOST:PORT/NAME"),
+        ("node2:7420", "HOST:PORT/NAME"),
         ("node2/app", "no port"),
         ("node2:99999/app", "port must be"),
         ("node2:0/app", "port 0"),
@@ -84,7 +98,7 @@ def test_replica_spec_forms() -> None:
         ("node2:7420/", "empty"),
         ("node2:7420/..x", "starts with '.'"),
         ("node2:7420/a b", "may contain only"),
-        ("udp://node2:7420/app", "only tcp://"),
+        ("udp://node2:7420/app", "use tcp:// or rdma://"),
     ],
 )
 def test_replica_spec_errors(text: str, fragment: str) -> None:

@@ -41,6 +41,10 @@ mount --bind "$VM_DIR/kernel/$KVER/lib/modules/$KVER" "/lib/modules/$KVER" || fa
 # rdma_rxe asks the crypto API for crc32; the kernel's own module loader would run the
 # initramfs's modprobe, which knows no modules, so load it here.
 modprobe -a crc32_generic veth rdma_rxe ib_uverbs rdma_ucm || fail "modprobe failed"
+# FUSE for the end-to-end mount (built in on some kernels, a module on Debian's), and a
+# /dev/shm for the pools the tests keep there.
+modprobe fuse 2>/dev/null || true
+mkdir -p /dev/shm && mount -t tmpfs -o mode=1777 tmpfs /dev/shm || fail "cannot mount /dev/shm"
 
 ip -batch - <<EOF || fail "network setup failed"
 link set lo up

@@ -7,7 +7,7 @@ import trio
 from rpmemfs.fs.layout import AREAS_OFF, BLOCK, Header
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError, coalesce
-from rpmemfs.transport.tcp import TcpTransport
+from rpmemfs.transport.choose import transport_for
 
 _SCAN = 1 << 20
 _ZERO_SCAN = bytes(_SCAN)
@@ -67,7 +67,7 @@ async def create_remote(
     if size != len(local_buf):
         raise ValueError(f"replica size {size} differs from the local pool's {len(local_buf)} bytes")
     headers, body = _split(ranges, AREAS_OFF)
-    tp = transport or TcpTransport()
+    tp = transport or transport_for(spec.transport)
     with trio.fail_after(timeout):
         session = await tp.connect(spec.address, token, lanes=1, timeout=timeout)
     async with session:

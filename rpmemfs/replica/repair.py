@@ -29,7 +29,7 @@ from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
-from rpmemfs.transport.tcp import connect
+from rpmemfs.transport.choose import transport_for
 
 READ_STEP = 4 << 20  # bytes per read while recovering
 
@@ -126,7 +126,8 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
     """Rebuild the local pool at ``pool`` from the replica ``source``."""
     t0 = time.monotonic()
     try:
-        async with await connect(source.address, token, lanes=1, timeout=timeout) as session:
+        async with await transport_for(source.transport).connect(
+                source.address, token, lanes=1, timeout=timeout) as session:
             region = await session.open_pool(source.name)
             lane = session.lanes[0]
             with trio.fail_after(timeout):

@@ -148,6 +148,9 @@ class Replica:
         return {
             "address": self.spec.address,
             "name": self.spec.name,
+            # What this connection uses (for "auto", what was picked), else what was asked.
+            "transport": (self.session.info.get("transport", "tcp") if self.session is not None
+                          else self.spec.transport),
             "state": self.state,
             "method": self.method,
             "lanes": len(self.lanes),

@@ -32,8 +32,8 @@ from rpmemfs.transport.base import (
     Transport,
     TransportError,
 )
+from rpmemfs.transport.choose import transport_for
 from rpmemfs.transport.spin import spin
-from rpmemfs.transport.tcp import TcpTransport
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,8 @@ class ReplicaSet:
                    syncmap=syncmap, lock=lock)
         if progress is not None:
             self.progress = progress
-        tp = transport or TcpTransport()
-
         async def connect(replica: Replica) -> tuple[Session, RemoteRegion]:
+            tp = transport or transport_for(replica.spec.transport)
             return await self._open_session(replica, tp, uuid, token, lanes, epoch)
 
         self._connect = connect

@@ -20,35 +20,57 @@ from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.units import parse_size
 
 POOLSET_MAGIC = "PMEMPOOLSET"
-_SCHEME = "tcp://"
+TRANSPORTS = ("auto", "tcp", "rdma")
+
+
+def split_scheme(text: str) -> tuple[str, str]:
+    """("tcp" | "rdma" | "auto", the rest) of ``[SCHEME://]REST``; ValueError for others."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return "auto", text
+    if scheme.lower() not in ("tcp", "rdma"):
+        raise ValueError(f"unknown transport {scheme!r}: use tcp:// or rdma:// (or neither)")
+    return scheme.lower(), rest
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """One replica: the target's ``HOST:PORT`` (normalised) and the pool's name there."""
+    """One replica: the target's ``HOST:PORT`` (normalised), the pool's name there, and the
+    transport: ``rdma`` (verbs), ``tcp`` (the software transport) or ``auto`` (verbs when
+    this node has an RDMA device, else TCP). Two specs name the same replica when address
+    and name match, whatever the transport."""
 
     address: str
     name: str
+    transport: str = field(default="auto", compare=False)
 
     def __str__(self) -> str:
         return f"{self.address}/{self.name}"
 
-    @classmethod
-    def parse(cls, text: str) -> ReplicaSpec:
-        """From ``HOST:PORT/NAME``, ``tcp://HOST:PORT/NAME`` or ``[V6ADDR]:PORT/NAME``."""
-        raw = text.strip()
-        body = raw[len(_SCHEME):] if raw.lower().startswith(_SCHEME) else raw
-        if "://" in body:
-            raise ValueError(f"bad replica {text!r}: only tcp:// is supported")
-        address, sep, name = body.rpartition("/")
-        if not sep:
-            raise ValueError(f"bad replica {text!r}: expected HOST:PORT/NAME")
-        return cls.make(address, name, text)
+    @property
+    def url(self) -> str:
+        """As typed: with the scheme when the transport was chosen."""
+        return str(self) if self.transport == "auto" else f"{self.transport}://{self}"
 
     @classmethod
-    def make(cls, address: str, name: str, shown: str | None = None) -> ReplicaSpec:
-        """From the two parts; ValueError names ``shown`` (or the parts) and the reason."""
+    def parse(cls, text: str) -> ReplicaSpec:
+        """From ``[tcp://|rdma://]HOST:PORT/NAME`` (``[V6ADDR]:PORT`` for IPv6)."""
+        try:
+            transport, body = split_scheme(text.strip())
+        except ValueError as exc:
+            raise ValueError(f"bad replica {text!r}: {exc}") from None
+        address, sep, name = body.rpartition("/")
+        if not sep:
+            raise ValueError(f"bad replica {text!r}: expected [tcp://|rdma://]HOST:PORT/NAME")
+        return cls.make(address, name, text, transport)
+
+    @classmethod
+    def make(cls, address: str, name: str, shown: str | None = None,
+             transport: str = "auto") -> ReplicaSpec:
+        """From the parts; ValueError names ``shown`` (or the parts) and the reason."""
         shown = shown if shown is not None else f"{address}/{name}"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"bad replica {shown!r}: unknown transport {transport!r}")
         try:
             host, port = parse_address(address)
         except ValueError as exc:
@@ -60,10 +82,13 @@ class ReplicaSpec:
             check_name(name)
         except PoolNameError as exc:
             raise ValueError(f"bad replica {shown!r}: {exc}") from None
-        return cls(format_address(host, port), name)
+        return cls(format_address(host, port), name, transport)
 
     def to_json(self) -> dict[str, str]:
-        return {"address": self.address, "name": self.name}
+        out = {"address": self.address, "name": self.name}
+        if self.transport != "auto":
+            out["transport"] = self.transport
+        return out
 
 
 @dataclass
@@ -107,7 +132,8 @@ def parse_poolset(text: str, source: str = "pool set") -> PoolSet:
             replicas.append(_replica_line(fields[1:], number, fail))
             continue
         if len(fields) != 2:
-            raise fail(number, f"expected 'SIZE /absolute/path' or 'REPLICA HOST:PORT NAME', got {line!r}")
+            raise fail(number, "expected 'SIZE /absolute/path' or 'REPLICA [tcp://|rdma://]HOST:PORT NAME', "
+                               f"got {line!r}")
         size_text, path = fields
         try:
             size = parse_size(size_text)
@@ -137,10 +163,9 @@ def _replica_line(args: list[str], number: int, fail: Callable[[int, str], PoolS
         raise fail(number, f"REPLICA {args[0]} has no pool name: REPLICA HOST:PORT NAME")
     else:
         raise fail(number, f"REPLICA takes HOST:PORT and NAME, got {len(args)} fields")
-    if address.lower().startswith(_SCHEME):
-        address = address[len(_SCHEME):]
     try:
-        return ReplicaSpec.make(address, name)
+        transport, address = split_scheme(address)
+        return ReplicaSpec.make(address, name, transport=transport)
     except ValueError as exc:
         raise fail(number, str(exc)) from None
 

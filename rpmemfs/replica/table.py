@@ -102,7 +102,9 @@ def _decode_slot(raw: bytes) -> TableRead | None | str:
         token_file = doc.get("token_file")
         if token_file is not None and not isinstance(token_file, str):
             return "token_file is not a string"
-        specs = [ReplicaSpec.make(str(r["address"]), str(r["name"])) for r in doc["replicas"]]
+        specs = [ReplicaSpec.make(str(r["address"]), str(r["name"]),
+                                  transport=str(r.get("transport", "auto")))
+                 for r in doc["replicas"]]
         stale = [str(x) for x in doc.get("stale", [])]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"bad contents: {exc}"

@@ -22,7 +22,7 @@ from rpmemfs.fs.layout import PoolFormatError
 from rpmemfs.native import crc32c
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
-from rpmemfs.transport.tcp import connect
+from rpmemfs.transport.choose import transport_for
 
 DEFAULT_CHUNK = 1 << 20
 # Chunks asked for per request: the reply stays small and progress moves often.
@@ -120,7 +120,8 @@ async def verify_replica(
     report = ReplicaReport(str(spec))
     size = len(buf)
     try:
-        async with await connect(spec.address, token, lanes=0, timeout=timeout) as session:
+        async with await transport_for("tcp").connect(
+                spec.address, token, lanes=0, timeout=timeout) as session:
             region = await session.open_pool(spec.name)
             if region.size != size:
                 report.error = f"remote pool is {region.size} bytes, the local pool {size}"

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--datapath", choices=("c", "python"), default="c",
         help="who runs the lanes' receive loops: a C thread per lane (default) or the Python loop",
     )
+    p.add_argument(
+        "--rdma", choices=("auto", "off"), default="auto",
+        help="auto: also serve verbs initiators (rdmacm on the same address and port) when an "
+        "RDMA device has the listen address; off: TCP only",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -108,6 +113,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         pmem_kind=kind, max_pool_size=max_pool, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
+        rdma=args.rdma == "auto",
     )
     return config, store
 

@@ -7,7 +7,7 @@ connection stays up: bad input in a request is not a framing violation.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -16,6 +16,9 @@ from rpmemfs.native import crc32c
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession
+
+if TYPE_CHECKING:
+    from rpmemfs.target.verbs_server import VerbsService
 
 log = logging.getLogger("rpmemfs.target.control")
 
@@ -62,6 +65,8 @@ class ControlService:
         self._sessions = sessions
         self._method = method
         self.info = info
+        self.verbs: VerbsService | None = None  # set when the target serves RDMA
+        self.no_verbs = "this target does not serve RDMA"
 
     async def handle(self, session: TargetSession, request: object) -> dict[str, Any]:
         if not isinstance(request, dict):
@@ -83,6 +88,10 @@ class ControlService:
                 return {"ok": True, "pools": self._store.stats(None if name is None else check_name(name))}
             if op == "info":
                 return {"ok": True, **self.info}
+            if op == "rdma":
+                if self.verbs is None:
+                    raise PoolError(self.no_verbs, "no-rdma")
+                return self.verbs.enable(session)
         except PoolNameError as exc:
             log.warning("peer %s: refused pool name: %s", session.peer, exc)
             return {"ok": False, "error": str(exc), "code": "bad-name"}
@@ -133,7 +142,17 @@ class ControlService:
         except PoolError:
             self._store.release(pool)
             raise
-        return self._describe(region)
+        reply = self._describe(region)
+        if request.get("rdma"):
+            if self.verbs is None:
+                self._sessions.unregister(session, region.key)
+                raise PoolError(self.no_verbs, "no-rdma")
+            try:
+                reply.update(self.verbs.register(session, region.key))
+            except Exception as exc:
+                self._sessions.unregister(session, region.key)
+                raise PoolError(f"pool {name!r}: cannot register it for RDMA: {exc}", "no-rdma") from None
+        return reply
 
     async def _checksum(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         """CRC-32C of consecutive chunks of a registered pool, computed where the pool lives,

@@ -44,6 +44,7 @@ class TargetConfig:
     idle_timeout: float
     spin_us: int = 0
     native: bool = True  # lanes' receive loops in C threads
+    rdma: bool = True  # serve verbs lanes too, where an RDMA device has the listen address
 
 
 async def listen(host: str, port: int) -> socket.socket:
@@ -90,11 +91,24 @@ class Server:
                 )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._stop_on_signal, signals, nursery.cancel_scope)
+                    if self.config.rdma:
+                        self._start_verbs(listener, nursery)
                     await self._accept_loop(listener, nursery)
         finally:
             listener.close()
             self.store.close_all()
             log.info("target stopped; pools persisted and closed")
+
+    def _start_verbs(self, listener: socket.socket, nursery: trio.Nursery) -> None:
+        """Serve verbs on the same address and port number (rdmacm's port space is its own)."""
+        from rpmemfs.target.verbs_server import VerbsService
+
+        host, port = listener.getsockname()[:2]
+        verbs = VerbsService.start(host, port, self.sessions, self.control)
+        if verbs is not None:
+            self.control.verbs = verbs
+            self.info["rdma"] = {"port": port, "device": verbs.device}
+            nursery.start_soon(verbs.run)
 
     async def _stop_on_signal(self, signals: Any, scope: trio.CancelScope) -> None:
         async for signum in signals:

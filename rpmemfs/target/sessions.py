@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -43,10 +44,20 @@ class TargetSession:
         return region
 
 
+class SessionHook(Protocol):
+    """Something that keeps state per session (the verbs service: protection domains and
+    memory regions), told before a registration or a session goes."""
+
+    def unregistered(self, session: TargetSession, key: int) -> None: ...
+
+    def ended(self, session: TargetSession) -> None: ...
+
+
 class SessionTable:
     def __init__(self, store: PoolStore) -> None:
         self._store = store
         self._sessions: dict[bytes, TargetSession] = {}
+        self.hooks: list[SessionHook] = []
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -67,6 +78,8 @@ class SessionTable:
         region = session.regions.pop(key, None)
         if region is None:
             return None
+        for hook in self.hooks:  # remote access to the mapping ends before it may go
+            hook.unregistered(session, key)
         if session.table.retire(region.slot):
             # A lane's C loop is inside a frame that writes into this pool; the mapping
             # must outlive that frame.
@@ -82,6 +95,8 @@ class SessionTable:
 
     def end(self, session: TargetSession) -> None:
         self._sessions.pop(session.id, None)
+        for hook in self.hooks:
+            hook.ended(session)
         for scope in list(session.lanes):
             scope.cancel()
         for key in list(session.regions):

@@ -46,6 +46,9 @@ class RemoteRegion:
     uuid: bytes | None  # from the pool header; None while the pool holds no valid header yet
     method: Method  # how the target makes placed writes durable: the flush to use
     pmem: str  # the target's mapping kind: "dax", "force" or "msync"
+    # Verbs only: the pool's memory region on the target (its rkey and virtual address).
+    rkey: int = 0
+    raddr: int = 0
 
 
 @dataclass
