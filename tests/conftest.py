@@ -39,6 +39,18 @@ MakePool = Callable[..., Path]
 MountPool = Callable[..., Mount]
 
 
+@pytest.fixture(autouse=bool(os.environ.get("RXE_VM")))
+def _collect_verbs_garbage() -> Iterator[None]:
+    """In the VM: collect each test's garbage right after it. Once in three runs, pyverbs
+    objects (closed already) left in reference cycles until pytest's final collection
+    crashed the interpreter there, after every test had passed; collecting per test has not
+    crashed. Not understood yet (pyverbs 44 freeing dependents in dealloc order?)."""
+    import gc
+
+    yield
+    gc.collect()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]

@@ -106,6 +106,7 @@ class Server:
         host, port = listener.getsockname()[:2]
         verbs = VerbsService.start(host, port, self.sessions, self.control)
         if verbs is not None:
+            verbs.spin_s = self.config.spin_us / 1e6
             self.control.verbs = verbs
             self.info["rdma"] = {"port": port, "device": verbs.device}
             nursery.start_soon(verbs.run)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,7 @@ class VerbsService:
         self.device = rdma.device_name(listen_id)
         self._state: dict[bytes, _SessionVerbs] = {}
         self._nursery: trio.Nursery | None = None
+        self.spin_s = 0.0  # how long a lane polls after a request before it sleeps
         sessions.hooks.append(self)
 
     @classmethod
@@ -258,10 +260,22 @@ class VerbsService:
         rdma = self._rdma
         pending: dict[int, int] = {}  # reply wr_id -> receive slot to post again once it left
         next_wr = 1 << 32
+        spin_until = 0.0
         with lane.scope:
             try:
                 while not lane.closed:
-                    for wc in lane.qp.completions():
+                    wcs = lane.qp.poll()
+                    if not wcs:
+                        # After a request, poll a while before sleeping: the next barrier of
+                        # an fsync-heavy writer comes soon, and a wake-up costs more than it.
+                        if time.monotonic() < spin_until:
+                            await trio.lowlevel.checkpoint()
+                            continue
+                        wcs = lane.qp.completions()  # re-arms the channel first
+                        if not wcs:
+                            await trio.lowlevel.wait_readable(lane.qp.fd)
+                            continue
+                    for wc in wcs:
                         why = rdma.failed(wc)
                         if why is not None:
                             raise Violation(why)
@@ -286,7 +300,7 @@ class VerbsService:
                                               signaled=True)
                             pending[next_wr] = slot
                         lane.qp.post_send([wr])
-                    await trio.lowlevel.wait_readable(lane.qp.fd)
+                        spin_until = time.monotonic() + self.spin_s
             except Violation as exc:
                 log.warning("verbs: closing a lane from %s: %s", lane.peer, exc)
                 self._close_lane(lane, str(exc))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -58,7 +59,9 @@ log = logging.getLogger("rpmemfs.transport.verbs")
 
 RESOLVE_MS = 5000
 FLUSH_READ_SIZE = 8
-SPIN_S = 50e-6  # busy-poll the completion queue this long before sleeping on the channel
+# Busy-poll the completion queue this long before sleeping on the channel: a wake-up from
+# epoll costs more than most barriers (see docs/verbs.md for the measurements).
+SPIN_S = int(os.environ.get("RPMEMFS_VERBS_SPIN_US", "1000")) / 1e6
 
 
 @dataclass(eq=False)
@@ -147,6 +150,8 @@ class VerbsLane:
         self._scratch = rdma.MR(local.pd, 64, rdma.e.IBV_ACCESS_LOCAL_WRITE)  # flush READs land here
         for slot in range(credits):
             self._qp.post_recv(self._msgs, slot * rdma.MSG_SIZE, rdma.MSG_SIZE, slot)
+        self._read_wrs: dict[int, Any] = {}  # region key -> its flush READ, reused
+        self._last_local: tuple[LocalPool, int, Any] | None = None  # (pool, address, MR)
 
     @property
     def closed(self) -> bool:
@@ -385,10 +390,22 @@ class VerbsLane:
         if method == "apm":
             if region.size < FLUSH_READ_SIZE:
                 raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")
-            read = rdma.read_wr(self._wr_id(), self._scratch.buf, FLUSH_READ_SIZE, self._scratch.lkey,
-                                region.rkey, region.raddr)
+            # A work request object posted at once may be posted again: reuse the region's.
+            at_once = not self._waiting and self._room(len(wrs) + 1) and len(wrs) < rdma.SEND_DEPTH // 2
+            read = self._read_wrs.get(region.key) if at_once else None
+            if read is None:
+                read = rdma.read_wr(self._wr_id(), self._scratch.buf, FLUSH_READ_SIZE, self._scratch.lkey,
+                                    region.rkey, region.raddr)
+                if at_once:
+                    self._read_wrs[region.key] = read
+            else:
+                read.wr_id = self._wr_id()
             ticket.end_wr = read.wr_id
-            self._submit(ticket, [[*wrs, read]])
+            wrs.append(read)
+            if at_once:
+                self._post(wrs, ticket)
+            else:
+                self._submit(ticket, [wrs])
         elif method == "gpspm":
             self._submit(ticket, [wrs, _Flush(region, list(ranges))])
         else:
@@ -403,8 +420,12 @@ class VerbsLane:
         method: Method | None = None,
     ) -> VerbsTicket:
         self._check()
-        base = _address(local.buf)
-        mr = self._local.register(base, len(local.buf))
+        if self._last_local is not None and self._last_local[0] is local:
+            _, base, mr = self._last_local
+        else:
+            base = _address(local.buf)
+            mr = self._local.register(base, len(local.buf))
+            self._last_local = (local, base, mr)
         return self._barrier(region, self._writes_local(region, mr, base, ranges), ranges, method)
 
     def post_barrier(
