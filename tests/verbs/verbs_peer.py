@@ -15,7 +15,7 @@ those ranges and SENDing a reply. It exits when its standard input closes.
 Nothing here blocks: rdmacm events and completions are read from non-blocking file
 descriptors, and the callers wait for those descriptors (the target with poll(2), the tests
 with trio), which is how a trio daemon has to drive verbs too. pyverbs 44 does not expose
-those descriptors, so :func:`with_new_fd` finds them in /proc/self/fd.
+those descriptors; the product's rpmemfs.transport.rdma (used here) finds them.
 """
 
 from __future__ import annotations
@@ -27,52 +27,48 @@ import os
 import select
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import pyverbs.cm_enums as ce
 import pyverbs.enums as e
-from pyverbs.cmid import CMID, AddrInfo, CMEvent, CMEventChannel, ConnParam
-from pyverbs.cq import CQ, WC, CompChannel
+from pyverbs.cmid import CMID, AddrInfo
+from pyverbs.cq import WC
 from pyverbs.device import Context
 from pyverbs.mr import MR
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsRDMAError
-from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-from pyverbs.wr import SGE, RecvWR, SendWR
+from pyverbs.wr import SendWR
 
-T = TypeVar("T")
+from rpmemfs.transport import rdma
+from rpmemfs.transport.rdma import (  # noqa: F401  (the tests use them through this module)
+    CM_NAMES,
+    MAX_INLINE,
+    PORT_SPACE,
+    WC_NAMES,
+    Event,
+    EventChannel,
+    VerbsError,
+    conn_param,
+    device_name,
+)
 
-PORT_SPACE = ce.RDMA_PS_TCP
-CQ_DEPTH = 256
+rdma_devices = rdma.devices
 MAX_SEND_WR = 128
 MAX_RECV_WR = 16
-MAX_INLINE = 64  # bytes a WRITE may carry inside its work request
-RETRY_COUNT = 3  # transport retries before a dead peer fails a work request
-RNR_RETRY = 3  # retries while the peer has no receive posted (7 would mean forever)
-READS_IN_FLIGHT = 4  # RDMA READs outstanding per queue pair, each way
 MSG_SIZE = 4096  # largest flush request or reply
 RECV_SLOTS = 4  # flush requests a target connection can have queued
 POOL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
 PAGE = mmap.PAGESIZE
 
-# Wire formats: the pool description travels in the accept's private data (at most 196 bytes
-# for RDMA_PS_TCP); the flush request and its reply travel as SENDs.
+# Wire formats of this two-process test (not the product's): the pool description travels in
+# the accept's private data (at most 196 bytes for RDMA_PS_TCP); the flush request and its
+# reply travel as SENDs.
 POOL_INFO = struct.Struct("<4sIQQ")  # b"POOL", rkey, address, size
 FLUSH_HEAD = struct.Struct("<4sI")  # b"FLSH", number of ranges
 FLUSH_RANGE = struct.Struct("<QQ")  # offset, length
 FLUSH_REPLY = struct.Struct("<4sIQ")  # b"DONE", errno (0: persisted), bytes msync-ed
 MAX_RANGES = (MSG_SIZE - FLUSH_HEAD.size) // FLUSH_RANGE.size
-
-WC_NAMES = {
-    getattr(e, name): name for name in dir(e) if name.startswith("IBV_WC_") and name.endswith("_ERR")
-} | {e.IBV_WC_SUCCESS: "IBV_WC_SUCCESS"}
-CM_NAMES = {getattr(ce, name): name for name in dir(ce) if name.startswith("RDMA_CM_EVENT_")}
-
-
-class VerbsError(Exception):
-    """A work request failed, or the connection went away."""
 
 
 @dataclass(frozen=True)
@@ -107,48 +103,6 @@ def unpack_flush(data: bytes) -> list[tuple[int, int]]:
     return [FLUSH_RANGE.unpack_from(data, FLUSH_HEAD.size + i * FLUSH_RANGE.size) for i in range(count)]
 
 
-def rdma_devices() -> list[str]:
-    """Names of the RDMA devices the kernel shows (without opening any)."""
-    try:
-        return sorted(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return []
-
-
-# --- file descriptors ------------------------------------------------------------------------
-
-
-def _open_fds() -> dict[int, str]:
-    fds = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass  # the descriptor listdir itself used, closed by now
-    return fds
-
-
-def with_new_fd(make: Callable[[], T], link_contains: str) -> tuple[T, int]:
-    """``make()``, and the one descriptor it opened whose /proc link contains ``link_contains``,
-    switched to non-blocking so that reading an event never waits.
-
-    pyverbs 44 keeps the descriptors of rdmacm event channels (``/dev/infiniband/rdma_cm``)
-    and completion channels (``anon_inode:[infinibandevent]``) to itself.
-    """
-    before = set(_open_fds())
-    obj = make()
-    new = {fd: link for fd, link in _open_fds().items() if fd not in before}
-    found = [fd for fd, link in new.items() if link_contains in link]
-    if len(found) != 1:
-        raise VerbsError(f"cannot tell the {link_contains!r} descriptor among new ones: {new}")
-    os.set_blocking(found[0], False)
-    return obj, found[0]
-
-
-def _again(exc: PyverbsRDMAError) -> bool:
-    return getattr(exc, "error_code", None) in (errno.EAGAIN, errno.EWOULDBLOCK)
-
-
 def wait_readable(fds: Sequence[int], timeout: float | None) -> set[int]:
     """poll(2): the descriptors of ``fds`` that are readable (or hung up) within ``timeout``."""
     poller = select.poll()
@@ -158,138 +112,17 @@ def wait_readable(fds: Sequence[int], timeout: float | None) -> set[int]:
     return {fd for fd, _ in poller.poll(ms)}
 
 
-# --- rdmacm ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Event:
-    kind: int
-    private: bytes
-    cmid: CMID | None  # the new connection's id, for a CONNECT_REQUEST on a listening id
-
-    @property
-    def name(self) -> str:
-        return CM_NAMES.get(self.kind, str(self.kind))
-
-
-class EventChannel:
-    """An rdmacm event channel with a known, non-blocking descriptor."""
-
-    def __init__(self) -> None:
-        self.channel, self.fd = with_new_fd(CMEventChannel, "rdma_cm")
-
-    def create_id(self) -> CMID:
-        return CMID(creator=self.channel, port_space=PORT_SPACE)
-
-    def next(self, listen_id: CMID | None = None) -> Event | None:
-        """The next event if one is queued (acknowledged already), else None."""
-        try:
-            raw = CMEvent(self.channel)
-        except PyverbsRDMAError as exc:
-            if _again(exc):
-                return None
-            raise
-        try:
-            kind = raw.event_type
-            private = bytes(raw.private_data or b"")
-            cmid = None
-            if kind == ce.RDMA_CM_EVENT_CONNECT_REQUEST and listen_id is not None:
-                # The new id must be taken over before the event is acknowledged.
-                cmid = CMID(creator=raw, listen_id=listen_id)
-        finally:
-            raw.ack_cm_event()
-        return Event(kind, private, cmid)
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-def conn_param(qp_num: int, private: bytes = b"") -> ConnParam:
-    param = ConnParam(
-        resources=READS_IN_FLIGHT,
-        depth=READS_IN_FLIGHT,
-        retry=RETRY_COUNT,
-        rnr_retry=RNR_RETRY,
-        qp_num=qp_num,
-        data_len=len(private),
-    )
-    if private:
-        param.set_private_data(private)
-    return param
-
-
-def device_name(cmid: CMID) -> str:
-    name = cmid.dev_name
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
 # --- one connection --------------------------------------------------------------------------
 
 
-class Conn:
-    """The queue pair of one connection, with its own completion queue and channel.
-
-    The queue pair belongs to us, not to librdmacm (an "external" QP): it lives on our own
-    device context and protection domain, rdmacm only computes the attributes of each state
-    change (:meth:`to_state`). That keeps QPs, CQs and memory regions under our control.
-    """
+class Conn(rdma.QueuePair):
+    """The queue pair of one connection (the product's), with this test's queue depths."""
 
     def __init__(self, cmid: CMID, ctx: Context, pd: PD) -> None:
-        self.cmid = cmid
-        self.ctx = ctx
-        self.pd = pd
-        self.channel, self.fd = with_new_fd(lambda: CompChannel(ctx), "infinibandevent")
-        self.cq = CQ(ctx, CQ_DEPTH, None, self.channel, 0)
-        self.cq.req_notify()
-        cap = QPCap(
-            max_send_wr=MAX_SEND_WR,
-            max_recv_wr=MAX_RECV_WR,
-            max_send_sge=1,
-            max_recv_sge=1,
-            max_inline_data=MAX_INLINE,
-        )
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
-        self.qp = QP(pd, init)
-        self.to_state(e.IBV_QPS_INIT)
-
-    def to_state(self, state: int) -> None:
-        attr, mask = self.cmid.init_qp_attr(state)
-        self.qp.modify(attr, mask)
-
-    def to_error(self) -> None:
-        """Error state: every outstanding work request completes with IBV_WC_WR_FLUSH_ERR."""
-        self.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
-
-    def completions(self) -> list[WC]:
-        """The completions queued now; consumes and re-arms the channel's notification first,
-        so that a completion arriving after this call makes :attr:`fd` readable again."""
-        try:
-            self.channel.get_cq_event(self.cq)
-        except PyverbsRDMAError as exc:
-            if not _again(exc):
-                raise
-        else:
-            self.cq.ack_events(1)
-            self.cq.req_notify()
-        out: list[WC] = []
-        while True:
-            n, wcs = self.cq.poll(16)
-            out.extend(wcs[:n])
-            if n < 16:
-                return out
+        super().__init__(cmid, ctx, pd, send_depth=MAX_SEND_WR, recv_depth=MAX_RECV_WR)
 
     def post_send_chain(self, wrs: Sequence[SendWR]) -> None:
-        """One ibv_post_send of the whole chain: the device sees it at once, in this order."""
-        for a, b in zip(wrs, wrs[1:], strict=False):
-            a.next_wr = b
-        self.qp.post_send(wrs[0])
-
-    def post_recv(self, mr: MR, offset: int, length: int, wr_id: int) -> None:
-        self.qp.post_recv(RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(mr.buf + offset, length, mr.lkey)]))
-
-    def close(self) -> None:
-        for obj in (self.qp, self.cq, self.channel):
-            obj.close()
+        self.post_send(wrs)
 
 
 def check(wc: WC, what: str) -> WC:
@@ -303,42 +136,16 @@ def check(wc: WC, what: str) -> WC:
 
 def write_wr(wr_id: int, mr: MR, offset: int, length: int, rkey: int, raddr: int) -> SendWR:
     """An unsignaled RDMA WRITE of mr[offset:offset+length]; inline when it is tiny."""
-    flags = e.IBV_SEND_INLINE if length <= MAX_INLINE else 0
-    wr = SendWR(
-        wr_id=wr_id,
-        opcode=e.IBV_WR_RDMA_WRITE,
-        num_sge=1,
-        sg=[SGE(mr.buf + offset, length, mr.lkey)],
-        send_flags=flags,
-    )
-    wr.set_wr_rdma(rkey, raddr)
-    return wr
+    return rdma.write_wr(wr_id, mr.buf + offset, length, mr.lkey, rkey, raddr, inline=length <= MAX_INLINE)
 
 
 def read_wr(wr_id: int, mr: MR, offset: int, length: int, rkey: int, raddr: int) -> SendWR:
     """A signaled RDMA READ into mr[offset:offset+length]."""
-    wr = SendWR(
-        wr_id=wr_id,
-        opcode=e.IBV_WR_RDMA_READ,
-        num_sge=1,
-        sg=[SGE(mr.buf + offset, length, mr.lkey)],
-        send_flags=e.IBV_SEND_SIGNALED,
-    )
-    wr.set_wr_rdma(rkey, raddr)
-    return wr
+    return rdma.read_wr(wr_id, mr.buf + offset, length, mr.lkey, rkey, raddr)
 
 
 def send_wr(wr_id: int, mr: MR, offset: int, length: int, *, signaled: bool) -> SendWR:
-    flags = e.IBV_SEND_SIGNALED if signaled else 0
-    if length <= MAX_INLINE:
-        flags |= e.IBV_SEND_INLINE
-    return SendWR(
-        wr_id=wr_id,
-        opcode=e.IBV_WR_SEND,
-        num_sge=1,
-        sg=[SGE(mr.buf + offset, length, mr.lkey)],
-        send_flags=flags,
-    )
+    return rdma.send_wr(wr_id, mr.buf + offset, length, mr.lkey, signaled=signaled)
 
 
 # --- the target ------------------------------------------------------------------------------
