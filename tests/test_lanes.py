@@ -299,3 +299,15 @@ def test_a_vanished_target_fails_the_barrier_in_bounded_time(env: Env, tmp_path:
     finally:
         proc.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(IN_VM, reason="about a node without RDMA")
+def test_rdma_where_there_is_none_is_a_clean_error() -> None:
+    """rdma:// on a node without an RDMA device (or without pyverbs): TransportError saying
+    so, before any connection; "auto" falls back to TCP (the rest of this file, on the host)."""
+
+    async def main() -> None:
+        with pytest.raises(TransportError, match="RDMA|pyverbs"):
+            await transport_for("rdma").connect("127.0.0.1:1", None, lanes=1, timeout=5)
+
+    trio.run(main)
