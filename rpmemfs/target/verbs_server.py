@@ -125,7 +125,7 @@ class VerbsService:
         if state is None:
             raise LookupError("this session has not enabled rdma (control op 'rdma' first)")
         region = session.regions[key]
-        addr = int(ffi.cast("uintptr_t", region.pool.mapping.base))
+        addr = int(ffi.cast("uintptr_t", region.pool.mapping.base))  # a cffi pointer, not a buffer
         rdma = self._rdma
         mr = rdma.MR(state.pd, region.size, rdma.POOL_ACCESS | rdma.FLUSH_ACCESS, address=addr)
         state.mrs[key] = mr
@@ -290,8 +290,7 @@ class VerbsService:
                         next_wr += 1
                         if len(reply) <= rdma.MAX_INLINE:
                             lane.qp.post_recv(lane.msgs, slot * rdma.MSG_SIZE, rdma.MSG_SIZE, slot)
-                            wr = rdma.send_wr(next_wr, int(ffi.cast("uintptr_t", ffi.from_buffer(reply))),
-                                              len(reply), 0, signaled=True)
+                            wr = rdma.send_wr(next_wr, rdma.address_of(reply), len(reply), 0, signaled=True)
                         else:
                             # Its slot is posted again only when the reply has left the buffer.
                             offset = (rdma.CREDITS + slot) * rdma.MSG_SIZE

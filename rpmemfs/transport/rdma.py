@@ -31,6 +31,9 @@ from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
+from rpmemfs.native import ffi
+from rpmemfs.transport.choose import rdma_devices
+
 T = TypeVar("T")
 
 PORT_SPACE = ce.RDMA_PS_TCP
@@ -75,17 +78,9 @@ class VerbsError(Exception):
     """A verbs call failed, a work request completed in error, or a message was malformed."""
 
 
-def devices() -> list[str]:
-    """Names of the RDMA devices the kernel shows (without opening any)."""
-    try:
-        return sorted(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return []
-
-
 def available() -> str | None:
     """None when verbs can be used here, else why not (a sentence for a log or an error)."""
-    if not devices():
+    if not rdma_devices():
         return "no RDMA device (/sys/class/infiniband is empty or missing)"
     return None
 
@@ -119,8 +114,9 @@ def again(exc: PyverbsRDMAError) -> bool:
     return getattr(exc, "error_code", None) in (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
-def address_of(mr_or_ptr: Any) -> int:
-    return int(mr_or_ptr)
+def address_of(buf: Any) -> int:
+    """Where a bytes-like object's memory starts, for a scatter-gather entry."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
 
 
 # --- rdmacm ----------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 import trio
 
-from rpmemfs.native import ffi
 from rpmemfs.transport import rdma
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.base import (
@@ -112,10 +111,6 @@ class _LocalRegions:
         for _, _, mr in self._mrs:
             mr.close()
         self._mrs.clear()
-
-
-def _address(buf: Any) -> int:
-    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
 
 
 class VerbsLane:
@@ -293,7 +288,7 @@ class VerbsLane:
         self._inflight += 1
         if len(msg) <= rdma.MAX_INLINE:
             ticket.keep.append(msg)  # copied into the work request when it is posted
-            return rdma.send_wr(self._wr_id(), _address(msg), len(msg), 0, signaled=True)
+            return rdma.send_wr(self._wr_id(), rdma.address_of(msg), len(msg), 0, signaled=True)
         slot = self._free_sends.pop()
         self._send_slot[seq] = slot
         offset = (self._credits + slot) * rdma.MSG_SIZE
@@ -365,7 +360,7 @@ class VerbsLane:
             if not n:
                 continue
             ranges.append((off, n))
-            addr = _address(data)
+            addr = rdma.address_of(data)
             mr = self._local.find(addr, n)
             if mr is None:
                 staged.append((off, data))
@@ -423,7 +418,7 @@ class VerbsLane:
         if self._last_local is not None and self._last_local[0] is local:
             _, base, mr = self._last_local
         else:
-            base = _address(local.buf)
+            base = rdma.address_of(local.buf)
             mr = self._local.register(base, len(local.buf))
             self._last_local = (local, base, mr)
         return self._barrier(region, self._writes_local(region, mr, base, ranges), ranges, method)
@@ -635,17 +630,13 @@ class VerbsSession:
             assert self._pd is not None and self._local is not None
             lane = VerbsLane(self.peer, events, cmid, qp, self._local, min(credits, self._credits),
                              self.timeout)
-        except rdma.PyverbsError as exc:
+        except BaseException as exc:
             if qp is not None:
                 qp.close()
             cmid.close()
             events.close()
-            raise TransportError(self.peer, f"cannot open a verbs lane: {exc}") from None
-        except BaseException:
-            if qp is not None:
-                qp.close()
-            cmid.close()
-            events.close()
+            if isinstance(exc, rdma.PyverbsError):
+                raise TransportError(self.peer, f"cannot open a verbs lane: {exc}") from None
             raise
         self.lanes.append(lane)
         return lane

@@ -41,6 +41,7 @@ from pyverbs.pyverbs_error import PyverbsRDMAError
 from pyverbs.wr import SendWR
 
 from rpmemfs.transport import rdma
+from rpmemfs.transport.choose import rdma_devices  # noqa: F401  (the tests use it from here)
 from rpmemfs.transport.rdma import (  # noqa: F401  (the tests use them through this module)
     CM_NAMES,
     MAX_INLINE,
@@ -53,7 +54,6 @@ from rpmemfs.transport.rdma import (  # noqa: F401  (the tests use them through 
     device_name,
 )
 
-rdma_devices = rdma.devices
 MAX_SEND_WR = 128
 MAX_RECV_WR = 16
 MSG_SIZE = 4096  # largest flush request or reply
