@@ -111,6 +111,7 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{st['inodes']} inodes\n"
           f"pmem       {st['pmem_mode']} (requested {st['pmem_requested']})\n"
           f"fsync      {st['fsync_count']} calls, p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us\n"
+          f"polling    {st['poll_us']} us after each request\n"
           f"log        area {st['log']['area']} gen {st['log']['generation']}, "
           f"{human(st['log']['used'])} of {human(st['log']['capacity'])}, "
           f"{st['log']['checkpoints']} checkpoints")

@@ -25,6 +25,7 @@ import trio
 from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.layout import BLOCK
+from rpmemfs.poller import RequestPoller
 from rpmemfs.replica.replica_set import ReplicaError
 
 log = logging.getLogger("rpmemfs.fuse")
@@ -36,10 +37,12 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def errors(fn: F) -> F:
-    """Turn filesystem errors into FUSE replies; anything unexpected becomes EIO, logged."""
+    """Turn filesystem errors into FUSE replies; anything unexpected becomes EIO, logged.
+    Every request through here also restarts the daemon's polling budget."""
 
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args[0].poller.kick()
         try:
             return await fn(*args, **kwargs)
         except FsError as e:
@@ -87,9 +90,10 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, fs: Filesystem, describe: Callable[[], dict[str, Any]],
-                 xattrs: bool = True) -> None:
+                 xattrs: bool = True, poll_us: int = 0) -> None:
         super().__init__()
         self.fs = fs
+        self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
         # before every write (FUSE clears SB_NOSEC; libfuse 3.14 cannot request
         # HANDLE_KILLPRIV_V2), which saves one round trip per write.

@@ -22,6 +22,7 @@ from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, PoolFormatError, ne
 from rpmemfs.fs.syncmap import SyncMap
 from rpmemfs.fuse import Operations
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
+from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
 from rpmemfs.replica import ReplicaError, ReplicaSet
 from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
 from rpmemfs.replica.table import inspect_table, write_table
@@ -50,6 +51,7 @@ class MountOptions:
     replica_timeout: float = 10.0
     token_file: str | None = None
     writeback_cache: bool = False
+    poll_us: int = DEFAULT_POLL_US
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     extra: list[str] = field(default_factory=list)
 
@@ -90,6 +92,11 @@ def parse_options(opts: list[str]) -> MountOptions:
                     raise MountError(f"replica_timeout= needs seconds, not {value!r}") from None
                 if not 0 < mo.replica_timeout <= 3600:
                     raise MountError("replica_timeout= must be between 0 and 3600 seconds")
+            elif key == "poll_us":
+                # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
+                if not value.isdigit() or int(value) > MAX_POLL_US:
+                    raise MountError(f"poll_us= needs microseconds from 0 to {MAX_POLL_US}, not {value!r}")
+                mo.poll_us = int(value)
             elif key == "token_file":
                 mo.token_file = value
             else:
@@ -169,7 +176,7 @@ class Mounted:
         self.replicas: ReplicaSet | None = None
         self._mounted = False
         self.open_seconds = time.perf_counter() - t0
-        self.ops = Operations(self.fs, self.describe, xattrs=mo.xattrs)
+        self.ops = Operations(self.fs, self.describe, xattrs=mo.xattrs, poll_us=mo.poll_us)
         self.ops.enable_writeback_cache = mo.writeback_cache
 
     def describe(self) -> dict[str, Any]:
@@ -188,6 +195,8 @@ class Mounted:
             "pmem_requested": self.mapping.requested,
             "fsync_count": self.ops.stats.fsyncs,
             "fsync_latency_us": self.ops.stats.percentiles(),
+            "poll_us": self.ops.poller.budget_us,
+            "poll_passes": self.ops.poller.polls,
             "log": {"area": fs.log.active, "generation": fs.log.gen, "used": fs.log.used,
                     "capacity": fs.log.capacity, "records_appended": fs.log.records,
                     "checkpoints": fs.log.checkpoints},
@@ -372,6 +381,7 @@ class Mounted:
         ready()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._signals, nursery.cancel_scope)
+            nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:
                 nursery.start_soon(self.replicas.keep)
             await nursery.start(control.serve, self.control_path, self.control_handlers())

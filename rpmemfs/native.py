@@ -29,6 +29,10 @@ def crc32c_hw() -> bool:
 
 def crc32c(data: BytesLike, crc: int = 0) -> int:
     """CRC-32C of ``data``; pass a previous result as ``crc`` to continue it."""
+    if type(data) is bytes:
+        # cffi passes bytes as a char pointer directly; from_buffer costs more than the CRC
+        # of a log record (this runs twice per durability point).
+        return int(lib.rpm_crc32c(crc, data, len(data)))
     # nbytes, not len(): a memoryview of a wider format counts items, not bytes.
     nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
     return int(lib.rpm_crc32c(crc, ffi.from_buffer(data), nbytes))

@@ -326,6 +326,36 @@ def test_status_msync_mode(make_pool: MakePool, mount_pool: MountPool) -> None:
     assert (m.path / "f").read_bytes() == b"msync mode data"
 
 
+@pytest.mark.parametrize("poll_us", [0, 2000])
+def test_polling_budget(make_pool: MakePool, mount_pool: MountPool, poll_us: int) -> None:
+    """-o poll_us=N: the daemon polls after requests only when N > 0, and says so."""
+    m = mount_pool(make_pool("16M"), options=f"pmem=force,poll_us={poll_us}")
+    fd = os.open(m.path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for i in range(20):
+            os.pwrite(fd, b"%d" % i * 100, i * 4096)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    st = status(m.path)
+    assert st["poll_us"] == poll_us
+    passes = st["poll_passes"]
+    assert isinstance(passes, int)
+    assert (passes > 0) == (poll_us > 0), st
+    m.remount()
+    assert (m.path / "f").read_bytes()[19 * 4096:19 * 4096 + 3] == b"191"
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1000001", ""])
+def test_polling_budget_refused(make_pool: MakePool, work_dir: Path, value: str) -> None:
+    pool = make_pool("8M")
+    mnt = work_dir / "mnt"
+    mnt.mkdir()
+    res = cli("mount", pool, mnt, "-f", "-o", f"pmem=force,poll_us={value}", timeout=60)
+    assert_clean_error(res, r"poll_us")
+    assert not is_mounted(mnt)
+
+
 def test_status_not_a_mount(work_dir: Path) -> None:
     res = cli("status", work_dir)
     assert_clean_error(res)
