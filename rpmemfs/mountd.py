@@ -197,6 +197,7 @@ class Mounted:
             "fsync_latency_us": self.ops.stats.percentiles(),
             "poll_us": self.ops.poller.budget_us,
             "poll_passes": self.ops.poller.polls,
+            "poll_yielded": self.ops.poller.yielded,
             "log": {"area": fs.log.active, "generation": fs.log.gen, "used": fs.log.used,
                     "capacity": fs.log.capacity, "records_appended": fs.log.records,
                     "checkpoints": fs.log.checkpoints},

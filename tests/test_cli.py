@@ -339,9 +339,10 @@ def test_polling_budget(make_pool: MakePool, mount_pool: MountPool, poll_us: int
         os.close(fd)
     st = status(m.path)
     assert st["poll_us"] == poll_us
-    passes = st["poll_passes"]
-    assert isinstance(passes, int)
-    assert (passes > 0) == (poll_us > 0), st
+    passes, yielded = st["poll_passes"], st["poll_yielded"]
+    assert isinstance(passes, int) and isinstance(yielded, int)
+    # A poll either ran its passes or gave way to another thread at once (a busy machine).
+    assert (passes + yielded > 0) == (poll_us > 0), st
     m.remount()
     assert (m.path / "f").read_bytes()[19 * 4096:19 * 4096 + 3] == b"191"
 

@@ -32,6 +32,7 @@ from rpmemfs.target.spawn import SpawnError, TargetProcess
 RPMEMFS = "rpmemfs"
 RPMEMFS_NOXATTR = "rpmemfs-noxattr"
 RPMEMFS_WBCACHE = "rpmemfs-wbcache"
+RPMEMFS_NOPOLL = "rpmemfs-nopoll"
 PASSTHROUGH = "passthrough"
 PASSTHROUGH_XATTR = "passthrough-xattr"
 PLAIN = "plain"
@@ -39,10 +40,11 @@ RPMEMFS_1REP = "rpmemfs-1rep"
 RPMEMFS_2REP = "rpmemfs-2rep"
 
 # Every target, in the order columns are printed.
-TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP, RPMEMFS_NOXATTR, RPMEMFS_WBCACHE,
-                PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
+TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP, RPMEMFS_NOXATTR, RPMEMFS_NOPOLL,
+                RPMEMFS_WBCACHE, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
 # The writeback cache changes what a write means (it returns before the daemon sees
-# the data), so it is not part of the like-for-like comparison and runs on request.
+# the data), so it is not part of the like-for-like comparison and runs on request; so does
+# rpmemfs-nopoll, which shows what polling /dev/fuse after each request is worth.
 DEFAULT_TARGETS = (RPMEMFS, RPMEMFS_NOXATTR, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
 # What `--replicas` selects: the cost of replication, 0, 1 and 2 replicas. The replicated
 # targets start their own target daemons on loopback, so they run only when named.
@@ -61,6 +63,7 @@ RPMEMFS_OPTIONS = {
     RPMEMFS: "pmem=force",
     RPMEMFS_NOXATTR: "pmem=force,noxattr",
     RPMEMFS_WBCACHE: "pmem=force,writeback_cache",
+    RPMEMFS_NOPOLL: "pmem=force,noxattr,poll_us=0",
     RPMEMFS_1REP: "pmem=force",
     RPMEMFS_2REP: "pmem=force",
 }
@@ -71,6 +74,8 @@ TARGET_SUMMARIES = {
                      "(xattr calls answer ENOSYS)",
     RPMEMFS_WBCACHE: f"rpmemfs mount -o {RPMEMFS_OPTIONS[RPMEMFS_WBCACHE]} "
                      "(kernel writeback cache on)",
+    RPMEMFS_NOPOLL: f"rpmemfs mount -o {RPMEMFS_OPTIONS[RPMEMFS_NOPOLL]} "
+                    "(no polling of /dev/fuse after requests)",
     PASSTHROUGH: "minimal pyfuse3 pass-through (xattr calls answer ENOSYS)",
     PASSTHROUGH_XATTR: "the same pass-through with xattr calls passed to the source files",
     PLAIN: "the backing directory itself, no FUSE",
@@ -195,6 +200,7 @@ TARGETS: dict[str, TargetFactory] = {
     RPMEMFS: partial(rpmemfs_target, RPMEMFS),
     RPMEMFS_NOXATTR: partial(rpmemfs_target, RPMEMFS_NOXATTR),
     RPMEMFS_WBCACHE: partial(rpmemfs_target, RPMEMFS_WBCACHE),
+    RPMEMFS_NOPOLL: partial(rpmemfs_target, RPMEMFS_NOPOLL),
     PASSTHROUGH: partial(passthrough_target, PASSTHROUGH),
     PASSTHROUGH_XATTR: partial(passthrough_target, PASSTHROUGH_XATTR),
     PLAIN: plain_target,
