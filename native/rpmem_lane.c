@@ -14,7 +14,11 @@
  * Waiting: after a frame, the loop spins on recv() for spin_us before it sleeps in
  * poll(). On virtual machines whose idle vCPUs halt, waking a sleeping thread costs
  * about 100 us, more than a whole barrier; spinning is what an RDMA consumer polling its
- * completion queue does, and it burns CPU only while the lane is busy.
+ * completion queue does, and it burns CPU only while the lane is busy. Every pass yields the
+ * CPU first, and a yield that ran another thread ends the spin: on a machine with no idle
+ * CPU, spinning takes time from the threads the lane is waiting for (measured on 2 cores
+ * with the mount daemon and two targets: 4 KiB write + fsync p50 807 us spinning blindly,
+ * 316 us not spinning at all).
  */
 #define _GNU_SOURCE
 #include "rpmem_native.h"
@@ -65,6 +69,16 @@ static uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* A yield this long ran another thread: this CPU is wanted, stop spinning on it. */
+#define YIELD_BUSY_NS 30000u
+
+static int yield_was_taken(void)
+{
+    uint64_t t = now_ns();
+    sched_yield();
+    return now_ns() - t > YIELD_BUSY_NS;
 }
 
 /* ---- regions: published by Python, used here one frame at a time ---------------- */
@@ -179,7 +193,8 @@ static int recv_some(struct rpm_lane *l, char *dst, size_t cap, uint64_t deadlin
         if (spin_until && now_ns() < spin_until) {
             if (__atomic_load_n(&l->stop, __ATOMIC_RELAXED))
                 return RPM_LANE_STOPPED;
-            sched_yield();
+            if (yield_was_taken())
+                spin_until = 0;
             continue;
         }
         int rc = wait_fd(l, 0, deadline, idle);
@@ -468,9 +483,8 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
                 done++;
             }
         }
-        if (done == n || now_ns() >= until)
+        if (done == n || now_ns() >= until || yield_was_taken())
             return done;
-        sched_yield();
     }
 }
 

@@ -12,6 +12,8 @@
 #   GLUSTER_HOST=127.0.0.2  loopback address used for the bricks and the mount (the gluster CLI
 #                           refuses 127.0.0.1/localhost as a brick host; 127.0.0.2 is accepted)
 #   RPMEMFS=.venv/bin/rpmemfs  the rpmemfs CLI to use
+#   MOUNT_OPTS=pmem=force   the rpmemfs mount options (both rpmemfs targets)
+#   TARGET_ARGS=            extra arguments for the two target daemons (e.g. "--spin-us 0")
 #
 # Installs glusterfs-server, glusterfs-client, fio and fuse3 with apt if they are missing. Needs
 # root. Everything it starts (glusterd if it was not running, the volume, the mounts, the target
@@ -32,6 +34,8 @@ FIO_RUNTIME=${FIO_RUNTIME:-20}
 BENCH_BASE=${BENCH_BASE:-/dev/shm}
 GLUSTER_HOST=${GLUSTER_HOST:-127.0.0.2}
 RPMEMFS=${RPMEMFS:-$REPO/.venv/bin/rpmemfs}
+MOUNT_OPTS=${MOUNT_OPTS:-pmem=force}
+TARGET_ARGS=${TARGET_ARGS:-}
 VOL=rpmemfsbench
 GLUSTERD_PIDFILE=/run/rpmemfs-bench-glusterd.pid   # glusterd started by this script
 POOL_SIZE=512M
@@ -306,7 +310,8 @@ start_target() {  # DIR [extra args...]; sets TARGET_ADDR to its HOST:PORT
     local dir=$1; shift
     mkdir -p "$dir"
     : > "$dir.out"   # exists before the child's redirection runs, so sed below never fails
-    setsid "$RPMEMFS" target --listen 127.0.0.1:0 --pool-dir "$dir" --log-level warning "$@" \
+    # shellcheck disable=SC2086  # TARGET_ARGS is a list of words
+    setsid "$RPMEMFS" target --listen 127.0.0.1:0 --pool-dir "$dir" --log-level warning "$@" $TARGET_ARGS \
         >"$dir.out" 2>"$dir.log" </dev/null &
     TARGET_PIDS+=($!)
     local n=0 addr=""
@@ -325,7 +330,7 @@ start_target() {  # DIR [extra args...]; sets TARGET_ADDR to its HOST:PORT
 mount_rpmemfs() {  # POOL MNT
     local pool=$1 mnt=$2 n=0
     mkdir -p "$mnt"
-    setsid "$RPMEMFS" mount "$pool" "$mnt" -f -o pmem=force >"$pool.mount.log" 2>&1 </dev/null &
+    setsid "$RPMEMFS" mount "$pool" "$mnt" -f -o "$MOUNT_OPTS" >"$pool.mount.log" 2>&1 </dev/null &
     RMNT_PIDS+=($!); RMNTS+=("$mnt")
     until is_mounted "$mnt"; do
         n=$((n + 1))
