@@ -5,6 +5,14 @@
 #   - vm/venv: a venv of Debian's /usr/bin/python3, the one interpreter python3-pyverbs is
 #     built for (--system-site-packages, so pyverbs imports), with pytest and trio from PyPI.
 # Arguments go to pytest (--setup-only: prepare the VM and vm/venv, run nothing). Exit status: pytest's, or 125 when the VM could not start.
+#
+# VERBS_STACK picks the kernel and user space the tests run on:
+#   debian (default)  Debian 12's kernel (6.1) and python3-pyverbs (rdma-core 44) in vm/venv;
+#                     native RDMA FLUSH is absent there, and its test skips;
+#   flush             Debian 12's 6.12 kernel (linux-image-6.12-amd64, from bookworm-security)
+#                     and PyPI's pyverbs 59 built with its own rdma-core in vm/venv59
+#                     (vm/venv59.sh, ~5 min the first time): rxe with FLUSH;
+#   both              one after the other (the status is the first failure's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +21,23 @@ cannot_start() {
     exit 125
 }
 
+STACK=${VERBS_STACK:-debian}
+case "$STACK" in
+    debian|flush|both) ;;
+    *) echo "verbs tests: VERBS_STACK must be debian, flush or both, not $STACK" >&2; exit 2 ;;
+esac
+kernel612=
+if [ "$STACK" != debian ]; then
+    # The metapackage names the current 6.12 ABI, e.g. linux-image-6.12.117+deb12-amd64.
+    meta() { apt-cache depends linux-image-6.12-amd64 2>/dev/null | awk '$1 == "Depends:" && $2 ~ /^linux-image-6[.]12[.]/ {print $2; exit}'; }
+    pkg=$(meta)
+    [ -n "$pkg" ] || { apt-get update -qq; pkg=$(meta); }
+    [ -n "$pkg" ] || cannot_start "no linux-image-6.12-amd64 in apt (bookworm-security)"
+    VM_KERNEL_PKG=$pkg vm/setup.sh || cannot_start "vm/setup.sh failed for $pkg"
+    kernel612=${pkg#linux-image-}
+    vm/venv59.sh || { echo "verbs tests: cannot build vm/venv59 (see above)" >&2; exit 1; }
+fi
+# Last, so that vm/kernel/default (what a bare vm/run.sh boots) stays Debian's default kernel.
 vm/setup.sh || cannot_start "vm/setup.sh failed"
 
 if ! dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | grep -q 'install ok installed'; then
@@ -38,14 +63,29 @@ if ! "$py" -m pip show -q rpmemfs >/dev/null 2>&1; then
 fi
 
 # Byte-compile on the host, where it is quick: under TCG, compiling a module costs seconds.
-"$py" -m compileall -q rpmemfs tests/verbs tests/test_lanes.py tests/conftest.py tests/helpers.py >/dev/null
+for p in "$py" ${kernel612:+vm/venv59/bin/python}; do
+    "$p" -m compileall -q rpmemfs tests/verbs tests/test_lanes.py tests/conftest.py tests/helpers.py >/dev/null
+done
 
 [ "${1:-}" = --setup-only ] && exit 0
 
 # tests/verbs: raw pyverbs between two processes, and one mount replicated over verbs;
 # tests/test_lanes.py: the transport-level cases shared with TCP, their rdma half.
-env -u PYTHONDONTWRITEBYTECODE vm/run.sh "$py" -m pytest -q -p no:cacheprovider \
-    tests/verbs "tests/test_lanes.py" -k "rdma or not test_lanes" "$@"
-rc=$?
+run_tests() {  # KERNEL (empty: the default) PYTHON PYTEST-ARGS...
+    local kernel=$1 python=$2
+    shift 2
+    echo "verbs tests: kernel ${kernel:-$(cat vm/kernel/default)}, $python" >&2
+    env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" vm/run.sh "$python" -m pytest -q -p no:cacheprovider \
+        tests/verbs "tests/test_lanes.py" -k "rdma or not test_lanes" "$@"
+}
+rc=0
+if [ "$STACK" != flush ]; then
+    run_tests "" "$py" "$@"
+    rc=$?
+fi
+if [ "$STACK" != debian ] && [ "$rc" = 0 ]; then
+    run_tests "$kernel612" vm/venv59/bin/python "$@"
+    rc=$?
+fi
 [ "$rc" = 125 ] && cannot_start
 exit "$rc"

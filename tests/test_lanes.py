@@ -139,7 +139,9 @@ def test_barrier_places_exact_bytes(env: Env, method: str) -> None:
     async def main() -> None:
         async with await env.session(method) as s:
             region = await s.create_pool(pool, POOL)
-            assert region.method == method
+            # An appliance target's barriers end in a native FLUSH where the session has it.
+            native = method == "apm" and getattr(s, "native_flush", False)
+            assert region.method == ("flush" if native else method)
             lane = s.lanes[0]
             for _ in range(3):
                 ranges = scattered(rng, 40)
@@ -176,6 +178,46 @@ def test_pipelined_barriers_complete_in_order(env: Env, method: str) -> None:
 
     trio.run(main)
     assert pread(env.pool_file(method, pool), 0, POOL) == bytes(local.buf)
+
+
+def test_native_flush_barrier(env: Env) -> None:
+    """method "flush" (verbs only): the writes and a native RDMA FLUSH in one chain, where
+    both ends have it (rdma-core 45+ and Linux 6.2+: ``VERBS_STACK=flush
+    scripts/test-verbs.sh``); elsewhere the lane says so and refuses such a barrier cleanly."""
+    if env.kind != "rdma":
+        pytest.skip("native RDMA FLUSH is a verbs thing")
+    rng = random.Random(9)
+    local = Local()
+    pool = name()
+    missing: list[str] = []
+
+    async def main() -> None:
+        async with await env.session("apm") as s:
+            region = await s.create_pool(pool, POOL)
+            lane = s.lanes[0]
+            if not lane.native_flush:  # type: ignore[attr-defined]
+                assert region.method == "apm"
+                with pytest.raises(TransportError, match="no native RDMA FLUSH"):
+                    lane.post_barrier_local(region, local.pool, [(0, 8)], "flush")
+                missing.append(f"no native FLUSH here (target says flush={s.info.get('flush')})")
+                return
+            # Chosen by the session itself for an appliance target (RPMEMFS_VERBS_FLUSH unset).
+            assert region.method == "flush"
+            for _ in range(3):
+                ranges = scattered(rng, 40)
+                for off, n in ranges:
+                    local.buf[off : off + n] = rng.randbytes(n)
+                await lane.wait(lane.post_barrier_local(region, local.pool, ranges))
+            data = rng.randbytes(100)
+            local.buf[5000:5100] = data
+            await lane.barrier(region, [(5000, data)], "flush")
+            await lane.barrier(region, [], "flush")  # nothing written: a FLUSH of 8 bytes
+            assert lane.stats.flushes == 5
+
+    trio.run(main)
+    if missing:
+        pytest.skip(missing[0])
+    assert pread(env.pool_file("apm", pool), 0, POOL) == bytes(local.buf)
 
 
 def test_many_ranges_in_one_barrier(env: Env) -> None:

@@ -20,7 +20,7 @@ say() { echo "vm/setup.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 PACKAGES=(qemu-system-x86 busybox-static cpio kmod iproute2 python3 rdma-core ibverbs-providers
-          ibverbs-utils rdmacm-utils perftest python3-pyverbs)
+          ibverbs-utils rdmacm-utils perftest python3-pyverbs zstd)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
@@ -79,6 +79,7 @@ if [ ! -f "$kdir/vmlinux" ] && grep -q '^CONFIG_PVH=y' "$kdir/boot/config-$kver"
     /usr/bin/python3 - "$kdir/boot/vmlinuz-$kver" "$kdir/vmlinux" <<'PY' || say "no vmlinux: will boot the bzImage"
 import lzma
 import struct
+import subprocess
 import sys
 
 image = open(sys.argv[1], "rb").read()
@@ -88,9 +89,14 @@ setup_sects = image[0x1F1] or 4
 payload_offset, payload_length = struct.unpack_from("<II", image, 0x248)
 start = (setup_sects + 1) * 512 + payload_offset
 payload = image[start : start + payload_length]
-if not payload.startswith(b"\xfd7zXZ\x00"):
-    sys.exit("the kernel payload is not xz-compressed")
-elf = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(payload)
+if payload.startswith(b"\xfd7zXZ\x00"):  # Debian's 6.1
+    elf = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(payload)
+elif payload.startswith(b"\x28\xb5\x2f\xfd"):  # zstd (Debian's 6.12); the kernel appends
+    # the uncompressed size as 4 bytes, which the zstd tool would take for a broken frame.
+    elf = subprocess.run(["zstd", "-qdc"], input=payload[:-4], stdout=subprocess.PIPE,
+                         check=True).stdout
+else:
+    sys.exit("the kernel payload is neither xz- nor zstd-compressed")
 if not elf.startswith(b"\x7fELF"):
     sys.exit("the kernel payload is not an ELF file")
 with open(sys.argv[2] + ".tmp", "wb") as out:

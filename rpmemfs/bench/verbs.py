@@ -14,7 +14,9 @@ one `--persist apm`, one `--persist gpspm`. Per method, one session with one lan
 
 Ratios: appliance 1x4K against ib_write_lat(4K) + ib_read_lat(8 B) (what a barrier is made
 of: one write, then one read behind it); general-purpose against appliance; 1x1M against
-ib_write_bw. Native FLUSH is listed when the device and rdma-core offer it.
+ib_write_bw. Where the device and rdma-core offer native RDMA FLUSH (VERBS_STACK=flush
+scripts/bench-verbs.sh: Linux 6.12 and pyverbs 59), the appliance target is also measured with
+method "flush": the same writes ended by one FLUSH instead of the READ.
 """
 
 from __future__ import annotations
@@ -76,67 +78,84 @@ def perftest(tool: str, size: int, iters: int, dev_a: str, dev_b: str, ip_b: str
     raise RuntimeError(f"{tool}: no result line in its output:\n{text[-2000:]}")
 
 
-async def _method(method: str, address: str, token: bytes, src: str, iters: int) -> dict[str, Any]:
+async def _methods(persist: str, address: str, token: bytes, src: str, iters: int) -> dict[str, Any]:
+    """Every method a target of ``persist`` allows, each measured on one lane: gpspm; apm by
+    the 8-byte READ and, where both ends have it, by native FLUSH ("flush")."""
     from rpmemfs.transport.verbs import connect
 
+    out: dict[str, Any] = {}
+    async with await connect(address, token, lanes=1, timeout=60, src=src) as session:
+        flush = persist == "apm" and session.lanes[0].native_flush
+        for method in [persist, *(["flush"] if flush else [])]:
+            _log(f"{method}: barriers")
+            out[method] = await _method(session, method, iters)
+    return out
+
+
+async def _method(session: Any, method: str, iters: int) -> dict[str, Any]:
     local_map = mmap.mmap(-1, POOL)
     buf = memoryview(local_map)
     local = LocalPool(buf, ffi.from_buffer(buf))
     buf[:] = os.urandom(1024) * (POOL // 1024)
     out: dict[str, Any] = {}
-    async with await connect(address, token, lanes=1, timeout=60, src=src) as session:
-        region: RemoteRegion = await session.create_pool("bench-" + uuid.uuid4().hex[:8], POOL)
-        assert region.method == method, (region.method, method)
-        lane = session.lanes[0]
+    # one pool per method, on the session's lane
+    region: RemoteRegion = await session.create_pool("bench-" + uuid.uuid4().hex[:8], POOL)
+    lane = session.lanes[0]
 
-        posting: list[float] = []
+    posting: list[float] = []
 
-        async def timed(ranges: list[tuple[int, int]], n: int) -> list[float]:
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                ticket = lane.post_barrier_local(region, local, ranges)
-                t1 = time.perf_counter()
-                await lane.wait(ticket)
-                times.append((time.perf_counter() - t0) * 1e6)
-                posting.append((t1 - t0) * 1e6)
-            return times
+    async def timed(ranges: list[tuple[int, int]], n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ticket = lane.post_barrier_local(region, local, ranges, method)
+            t1 = time.perf_counter()
+            await lane.wait(ticket)
+            times.append((time.perf_counter() - t0) * 1e6)
+            posting.append((t1 - t0) * 1e6)
+        return times
 
-        await timed([(0, 4 * KIB)], 20)  # warm-up: first touches, registration
-        for label, ranges, n in (
-            ("1x4K", [(8 * MIB, 4 * KIB)], iters),
-            ("16x4K", [(8 * MIB + i * 8 * KIB, 4 * KIB) for i in range(16)], iters),
-        ):
-            posting.clear()
-            t = sorted(await timed(ranges, n))
-            out[label] = {"p50_us": round(percentile(t, 50), 1), "p99_us": round(percentile(t, 99), 1),
-                          # Python building and posting the chain, inside p50
-                          "post_p50_us": round(percentile(sorted(posting), 50), 1)}
-        n1m = max(16, iters // 8)
-        t = await timed([(16 * MIB, MIB)], n1m)
-        out["1x1M"] = {"MBps": round(n1m * MIB / (sum(t) / 1e6) / 1e6, 1),
-                       "p50_us": round(percentile(sorted(t), 50), 1)}
-        t0 = time.perf_counter()
-        rounds = max(4, iters // 64)
-        for _ in range(rounds):
-            tickets = [lane.post_barrier_local(region, local, [(32 * MIB + i * 4 * KIB, 4 * KIB)])
-                       for i in range(64)]
-            for ticket in tickets:
-                await lane.wait(ticket)
-        out["pipelined 4K"] = {"barriers_per_s": round(rounds * 64 / (time.perf_counter() - t0))}
-        out["lane"] = {"flushes": lane.stats.flushes, "batches": lane.stats.batches}
+    await timed([(0, 4 * KIB)], 20)  # warm-up: first touches, registration
+    for label, ranges, n in (
+        ("1x4K", [(8 * MIB, 4 * KIB)], iters),
+        ("16x4K", [(8 * MIB + i * 8 * KIB, 4 * KIB) for i in range(16)], iters),
+    ):
+        posting.clear()
+        t = sorted(await timed(ranges, n))
+        out[label] = {"p50_us": round(percentile(t, 50), 1), "p99_us": round(percentile(t, 99), 1),
+                      # Python building and posting the chain, inside p50
+                      "post_p50_us": round(percentile(sorted(posting), 50), 1)}
+    n1m = max(16, iters // 8)
+    t = await timed([(16 * MIB, MIB)], n1m)
+    out["1x1M"] = {"MBps": round(n1m * MIB / (sum(t) / 1e6) / 1e6, 1),
+                   "p50_us": round(percentile(sorted(t), 50), 1)}
+    t0 = time.perf_counter()
+    rounds = max(4, iters // 64)
+    for _ in range(rounds):
+        tickets = [lane.post_barrier_local(region, local, [(32 * MIB + i * 4 * KIB, 4 * KIB)], method)
+                   for i in range(64)]
+        for ticket in tickets:
+            await lane.wait(ticket)
+    out["pipelined 4K"] = {"barriers_per_s": round(rounds * 64 / (time.perf_counter() - t0))}
+    out["lane"] = {"flushes": lane.stats.flushes, "batches": lane.stats.batches}
     return out
 
 
-def native_flush() -> str:
-    """Whether this rdma-core and device offer a native FLUSH work request."""
+def native_flush(dev: str) -> str:
+    """Whether this rdma-core and the device offer native RDMA FLUSH."""
     try:
-        import pyverbs.enums as e
+        from rpmemfs.transport import rdma
     except ImportError:
         return "pyverbs missing"
-    if not hasattr(e, "IBV_WR_FLUSH") and not hasattr(e, "IBV_QP_EX_WITH_FLUSH"):
-        return "not offered by this rdma-core (no IBV_WR_FLUSH in pyverbs)"
-    return "offered by rdma-core; not measured"
+    if not rdma.qpex_has_flush():
+        return "not offered by this rdma-core (pyverbs has no QPEx.wr_flush: rdma-core 45+ has)"
+    ctx = rdma.Context(name=dev)
+    try:
+        if not rdma.flush_access(ctx):
+            return f"not offered by {dev} (no FLUSH_GLOBAL capability: Linux 6.2+ rxe has it)"
+    finally:
+        ctx.close()
+    return "offered: measured as method 'flush'"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print("rpmemfs: bench verbs needs RXE_IP_A and RXE_IP_B (run scripts/bench-verbs.sh)",
               file=sys.stderr)
         return 2
-    results: dict[str, Any] = {"iterations": args.iterations, "native_flush": native_flush(),
+    results: dict[str, Any] = {"iterations": args.iterations, "native_flush": native_flush(dev_a),
                                "target_spin_us": args.target_spin_us,
                                "initiator_spin_us": os.environ.get("RPMEMFS_VERBS_SPIN_US", "default")}
     _log("perftest floor")
@@ -176,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                               log_path=work / f"{method}.log", log_level="warning", extra=extra)
             t.start(timeout=300)
             targets.append(t)
-            _log(f"{method}: barriers")
-            results[method] = trio.run(_method, method, t.address, token, ip_a, args.iterations)
+            results.update(trio.run(_methods, method, t.address, token, ip_a, args.iterations))
     finally:
         for t in targets:
             t.close()
@@ -191,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         "apm 16x4K / apm 1x4K": round(apm["16x4K"]["p50_us"] / apm["1x4K"]["p50_us"], 2),
         "apm 1x1M MB/s / ib_write_bw": round(apm["1x1M"]["MBps"] / pt["ib_write_bw 1M"]["bw_avg_MBps"], 2),
     }
+    if "flush" in results:
+        results["ratios"]["flush 1x4K / apm 1x4K"] = round(
+            results["flush"]["1x4K"]["p50_us"] / apm["1x4K"]["p50_us"], 2)
+        results["ratios"]["flush 1x4K / (ib_write_lat 4K + ib_read_lat 8B)"] = round(
+            results["flush"]["1x4K"]["p50_us"] / floor, 2)
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

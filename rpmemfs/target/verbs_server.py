@@ -71,6 +71,9 @@ class VerbsService:
         self._listen_id = listen_id
         self._ctx = ctx
         self.device = rdma.device_name(listen_id)
+        # Pools are registered for native RDMA FLUSH too where pyverbs and the device have it
+        # (0 elsewhere: Linux 6.1 refuses the access flag).
+        self.flush_access = rdma.flush_access(ctx)
         self._state: dict[bytes, _SessionVerbs] = {}
         self._nursery: trio.Nursery | None = None
         self.spin_s = 0.0  # how long a lane polls after a request before it sleeps
@@ -108,7 +111,8 @@ class VerbsService:
             events.close()
             return None
         service = cls(rdma, host, port, sessions, control, events, listen_id, ctx)
-        log.info("verbs: serving on %s port %d (device %s)", host, port, service.device)
+        log.info("verbs: serving on %s port %d (device %s%s)", host, port, service.device,
+                 ", native FLUSH" if service.flush_access else "")
         return service
 
     # --- control plane ----------------------------------------------------------------------
@@ -117,7 +121,8 @@ class VerbsService:
         """The control op ``rdma``: a protection domain for the session."""
         if session.id not in self._state:
             self._state[session.id] = _SessionVerbs(self._rdma.PD(self._ctx))
-        return {"ok": True, "port": self.port, "device": self.device, "credits": self._rdma.CREDITS}
+        return {"ok": True, "port": self.port, "device": self.device, "credits": self._rdma.CREDITS,
+                "flush": bool(self.flush_access)}
 
     def register(self, session: TargetSession, key: int) -> dict[str, Any]:
         """Register a pool the session just opened; its rkey and address for the reply."""
@@ -127,7 +132,7 @@ class VerbsService:
         region = session.regions[key]
         addr = int(ffi.cast("uintptr_t", region.pool.mapping.base))  # a cffi pointer, not a buffer
         rdma = self._rdma
-        mr = rdma.MR(state.pd, region.size, rdma.POOL_ACCESS | rdma.FLUSH_ACCESS, address=addr)
+        mr = rdma.MR(state.pd, region.size, rdma.POOL_ACCESS | self.flush_access, address=addr)
         state.mrs[key] = mr
         return {"rkey": mr.rkey, "addr": addr}
 

@@ -15,7 +15,10 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
 BytesLike = bytes | bytearray | memoryview
-Method = Literal["apm", "gpspm"]
+# What a target declares (METHODS), plus "flush": a verbs-only barrier whose flush is a native
+# RDMA FLUSH (global visibility, ordered after the writes: apm's guarantee, without the READ),
+# used only when asked for and both ends have it.
+Method = Literal["apm", "gpspm", "flush"]
 METHODS: tuple[Method, ...] = ("apm", "gpspm")
 DEFAULT_TIMEOUT = 10.0
 

@@ -20,8 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import pyverbs.cm_enums as ce
-import pyverbs.enums as e
+try:
+    import pyverbs.cm_enums as ce
+    import pyverbs.enums as e
+except ImportError:  # rdma-core 50+ (PyPI's pyverbs 59) names them after their libraries
+    import pyverbs.libibverbs_enums as e  # type: ignore[no-redef]
+    import pyverbs.librdmacm_enums as ce  # type: ignore[no-redef]
 from pyverbs.cmid import CMID, AddrInfo, CMEvent, CMEventChannel, ConnParam
 from pyverbs.cq import CQ, WC, CompChannel
 from pyverbs.device import Context
@@ -48,6 +52,10 @@ CQ_DEPTH = SEND_DEPTH + 2 * CREDITS
 MAX_RDMA = 1 << 30  # one WRITE or READ moves at most this much
 POOL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
 FLUSH_ACCESS = getattr(e, "IBV_ACCESS_FLUSH_GLOBAL", 0)  # rdma-core 45+; absent from 44
+# IB_UVERBS_DEVICE_FLUSH_GLOBAL (the kernel's uapi), a bit of device_cap_flags_ex that
+# rdma-core names nowhere; rxe sets it from Linux 6.2 on. A kernel without it refuses an MR
+# with IBV_ACCESS_FLUSH_GLOBAL (EINVAL, measured on 6.1), so the flag is used only where set.
+DEVICE_FLUSH_GLOBAL = 1 << 38
 
 # --- messages --------------------------------------------------------------------------------
 # In rdmacm private data (at most 56 bytes with a connect, 196 with an accept):
@@ -83,6 +91,25 @@ def available() -> str | None:
     if not rdma_devices():
         return "no RDMA device (/sys/class/infiniband is empty or missing)"
     return None
+
+
+def qpex_has_flush() -> bool:
+    """Whether this pyverbs can post native FLUSH: rdma-core 45+ (QPEx.wr_flush)."""
+    from pyverbs.qp import QPEx
+
+    return bool(FLUSH_ACCESS) and hasattr(e, "IBV_QP_EX_WITH_FLUSH") and hasattr(QPEx, "wr_flush")
+
+
+def flush_access(ctx: Context) -> int:
+    """IBV_ACCESS_FLUSH_GLOBAL when both this pyverbs and the device have native RDMA FLUSH,
+    else 0: the access flags to add to a pool's registration."""
+    if not FLUSH_ACCESS:
+        return 0
+    try:
+        caps = ctx.query_device_ex().device_cap_flags_ex
+    except PyverbsError:
+        return 0
+    return FLUSH_ACCESS if caps & DEVICE_FLUSH_GLOBAL else 0
 
 
 # --- descriptors -----------------------------------------------------------------------------
@@ -193,18 +220,35 @@ class QueuePair:
 
     The queue pair is ours, not librdmacm's: it lives on our context and protection domain,
     and rdmacm only computes the attributes of each state change (:meth:`to_state`).
+
+    ``flush``: an extended queue pair (QPEx) that can post native RDMA FLUSH (rdma-core 45+,
+    a provider that takes IBV_QP_EX_WITH_FLUSH); every chain is then posted through the
+    ibv_wr_* API (:meth:`post_send`), never mixed with ibv_post_send. Creating it raises
+    PyverbsError where the provider refuses.
     """
 
-    def __init__(self, cmid: CMID, ctx: Context, pd: PD, *, send_depth: int, recv_depth: int) -> None:
+    def __init__(self, cmid: CMID, ctx: Context, pd: PD, *, send_depth: int, recv_depth: int,
+                 flush: bool = False) -> None:
         self.cmid = cmid
+        self.extended = flush
         self.channel, self.fd = with_new_fd(lambda: CompChannel(ctx), "infinibandevent")
         try:
             self.cq = CQ(ctx, send_depth + recv_depth + 2, None, self.channel, 0)
             self.cq.req_notify()
             cap = QPCap(max_send_wr=send_depth, max_recv_wr=recv_depth, max_send_sge=1, max_recv_sge=1,
                         max_inline_data=MAX_INLINE)
-            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
-            self.qp = QP(pd, init)
+            if flush:
+                from pyverbs.qp import QPEx, QPInitAttrEx
+
+                ops = (e.IBV_QP_EX_WITH_RDMA_WRITE | e.IBV_QP_EX_WITH_RDMA_READ | e.IBV_QP_EX_WITH_SEND
+                       | e.IBV_QP_EX_WITH_FLUSH)
+                mask = e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
+                init_ex = QPInitAttrEx(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0,
+                                       pd=pd, comp_mask=mask, send_ops_flags=ops)
+                self.qp = QPEx(ctx, init_ex)
+            else:
+                init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
+                self.qp = QP(pd, init)
             self.to_state(e.IBV_QPS_INIT)
         except BaseException:
             self.channel.close()
@@ -241,10 +285,43 @@ class QueuePair:
         return self.poll()
 
     def post_send(self, wrs: Sequence[SendWR]) -> None:
-        """One ibv_post_send of the whole chain: the device sees it at once, in this order."""
+        """One ibv_post_send of the whole chain: the device sees it at once, in this order.
+        (On an extended queue pair: one ibv_wr_start .. ibv_wr_complete of it.)"""
+        if self.extended:
+            self._post_ex(wrs)
+            return
         for a, b in zip(wrs, wrs[1:], strict=False):
             a.next_wr = b
         self.qp.post_send(wrs[0])
+
+    def _post_ex(self, wrs: Sequence[SendWR]) -> None:
+        qp = self.qp
+        qp.wr_start()
+        try:
+            for wr in wrs:
+                kind, addr, length, lkey, rkey, raddr = wr.desc  # type: ignore[attr-defined]
+                flags = wr.send_flags
+                qp.wr_id = wr.wr_id
+                # IBV_SEND_INLINE stays in the flags: rxe's wr_set_inline_data (rdma-core 59)
+                # copies the data but does not set it, and without it the kernel ignores the data.
+                qp.wr_flags = flags
+                if kind == "flush":
+                    qp.wr_flush(rkey, raddr, length, e.IBV_FLUSH_GLOBAL, e.IBV_FLUSH_RANGE)
+                    continue
+                if kind == "write":
+                    qp.wr_rdma_write(rkey, raddr)
+                elif kind == "read":
+                    qp.wr_rdma_read(rkey, raddr)
+                else:
+                    qp.wr_send()
+                if flags & e.IBV_SEND_INLINE:
+                    qp.wr_set_inline_data(addr, length)
+                else:
+                    qp.wr_set_sge(SGE(addr, length, lkey))
+        except BaseException:
+            qp.wr_abort()
+            raise
+        qp.wr_complete()
 
     def post_recv(self, mr: MR, offset: int, length: int, wr_id: int) -> None:
         self.qp.post_recv(RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(mr.buf + offset, length, mr.lkey)]))
@@ -267,29 +344,50 @@ def failed(wc: WC) -> str | None:
 # --- work requests ---------------------------------------------------------------------------
 
 
+class _WR(SendWR):
+    """A SendWR that also remembers what it does (``desc``: kind, local address, length, lkey,
+    rkey, remote address), which pyverbs does not read back, for extended queue pairs."""
+
+    desc: tuple[str, int, int, int, int, int]
+
+
+def _wr(desc: tuple[str, int, int, int, int, int], **kwargs: Any) -> SendWR:
+    wr = _WR(**kwargs)
+    wr.desc = desc
+    return wr
+
+
+def flush_wr(wr_id: int, rkey: int, raddr: int, length: int) -> SendWR:
+    """A signaled native RDMA FLUSH (global visibility) of remote [raddr, raddr+length); only an
+    extended queue pair (``QueuePair(flush=True)``) can post it."""
+    # pyverbs wants an SGE in every SendWR; this one is never posted with ibv_post_send.
+    return _wr(("flush", 0, length, 0, rkey, raddr), wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1,
+               sg=[SGE(0, 0, 0)], send_flags=e.IBV_SEND_SIGNALED)
+
+
 def write_wr(wr_id: int, addr: int, length: int, lkey: int, rkey: int, raddr: int,
              signaled: bool = False, inline: bool = False) -> SendWR:
     """An RDMA WRITE of local [addr, addr+length) to remote raddr; inline when it is tiny
     (the data is copied into the work request, so the source may change right after)."""
     flags = (e.IBV_SEND_SIGNALED if signaled else 0) | (e.IBV_SEND_INLINE if inline else 0)
-    wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(addr, length, lkey)],
-                send_flags=flags)
+    wr = _wr(("write", addr, length, lkey, rkey, raddr), wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE,
+             num_sge=1, sg=[SGE(addr, length, lkey)], send_flags=flags)
     wr.set_wr_rdma(rkey, raddr)
     return wr
 
 
 def read_wr(wr_id: int, addr: int, length: int, lkey: int, rkey: int, raddr: int) -> SendWR:
     """A signaled RDMA READ of remote raddr into local [addr, addr+length)."""
-    wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[SGE(addr, length, lkey)],
-                send_flags=e.IBV_SEND_SIGNALED)
+    wr = _wr(("read", addr, length, lkey, rkey, raddr), wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ,
+             num_sge=1, sg=[SGE(addr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
     wr.set_wr_rdma(rkey, raddr)
     return wr
 
 
 def send_wr(wr_id: int, addr: int, length: int, lkey: int, *, signaled: bool) -> SendWR:
     flags = (e.IBV_SEND_SIGNALED if signaled else 0) | (e.IBV_SEND_INLINE if length <= MAX_INLINE else 0)
-    return SendWR(wr_id=wr_id, opcode=e.IBV_WR_SEND, num_sge=1, sg=[SGE(addr, length, lkey)],
-                  send_flags=flags)
+    return _wr(("send", addr, length, lkey, 0, 0), wr_id=wr_id, opcode=e.IBV_WR_SEND, num_sge=1,
+               sg=[SGE(addr, length, lkey)], send_flags=flags)
 
 
 # --- messages --------------------------------------------------------------------------------

@@ -13,9 +13,12 @@ A barrier is one chain of work requests handed to ibv_post_send: unsignaled RDMA
 the ranges from the local pool (registered once per session; inline when tiny), then one
 flush: a signaled 8-byte RDMA READ (appliance method: the responder answers it only after
 every earlier WRITE on the queue pair is placed) or a SEND of the whole range list, which the
-target persists and answers with a SEND (general-purpose method). One completion is awaited
-per barrier: the READ's, or the reply's receive. Waiting is trio waiting for the completion
-channel's descriptor, after a short busy poll of the completion queue.
+target persists and answers with a SEND (general-purpose method), or, asked for with method
+"flush" where both ends have it (rdma-core 45+, Linux 6.2+), a signaled native RDMA FLUSH
+(IBV_FLUSH_GLOBAL) of the written span, posted through an extended queue pair. One completion
+is awaited per barrier: the READ's, the FLUSH's, or the reply's receive. Waiting is trio
+waiting for the completion channel's descriptor, after a short busy poll of the completion
+queue.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ FLUSH_READ_SIZE = 8
 # Busy-poll the completion queue this long before sleeping on the channel: a wake-up from
 # epoll costs more than most barriers (see docs/verbs.md for the measurements).
 SPIN_S = int(os.environ.get("RPMEMFS_VERBS_SPIN_US", "1000")) / 1e6
+# "read" keeps the 8-byte READ as the appliance flush even where native FLUSH is available
+# (measured on rxe under emulation, FLUSH was not faster: docs/verbs.md).
+NATIVE_FLUSH = os.environ.get("RPMEMFS_VERBS_FLUSH", "native") != "read"
 
 
 @dataclass(eq=False)
@@ -151,6 +157,11 @@ class VerbsLane:
     @property
     def closed(self) -> bool:
         return self._lost is not None
+
+    @property
+    def native_flush(self) -> bool:
+        """Whether barriers may use method "flush" (native RDMA FLUSH) on this lane."""
+        return self._qp.extended
 
     # --- completions ------------------------------------------------------------------------
 
@@ -403,6 +414,20 @@ class VerbsLane:
                 self._submit(ticket, [wrs])
         elif method == "gpspm":
             self._submit(ticket, [wrs, _Flush(region, list(ranges))])
+        elif method == "flush":
+            if not self._qp.extended:
+                raise TransportError(self.peer, "no native RDMA FLUSH on this lane (it needs rdma-core 45+ "
+                                     "and Linux 6.2+ at both ends)")
+            spans = [(off, n) for off, n in ranges if n] or [(0, min(FLUSH_READ_SIZE, region.size))]
+            start = min(off for off, _ in spans)
+            end = max(off + n for off, n in spans)
+            flushes = [rdma.flush_wr(self._wr_id(), region.rkey, region.raddr + pos,
+                                     min(rdma.MAX_RDMA, end - pos))
+                       for pos in range(start, end, rdma.MAX_RDMA)]
+            for wr in flushes[:-1]:
+                wr.send_flags = 0  # completions come in order: the last one's says all
+            ticket.end_wr = flushes[-1].wr_id
+            self._submit(ticket, [[*wrs, *flushes]])
         else:
             raise ValueError(f"unknown persistence method {method!r}")
         self.stats.batches += 1
@@ -615,8 +640,16 @@ class VerbsSession:
                 self.device = dev
             elif dev != self.device:
                 raise TransportError(self.peer, f"lanes of one session on two devices ({self.device}, {dev})")
-            qp = rdma.QueuePair(cmid, self._ctx, self._pd, send_depth=rdma.SEND_DEPTH,
-                                recv_depth=self._credits)
+            qp = None
+            if self.info.get("flush") and rdma.qpex_has_flush() and rdma.flush_access(self._ctx):
+                try:
+                    qp = rdma.QueuePair(cmid, self._ctx, self._pd, send_depth=rdma.SEND_DEPTH,
+                                        recv_depth=self._credits, flush=True)
+                except rdma.PyverbsError as exc:  # a provider older than rdma-core 45
+                    log.info("verbs: no native FLUSH on %s: %s", dev, exc)
+            if qp is None:
+                qp = rdma.QueuePair(cmid, self._ctx, self._pd, send_depth=rdma.SEND_DEPTH,
+                                    recv_depth=self._credits)
             hello = rdma.LANE_HELLO.pack(b"RPML", rdma.VERSION, self._control.session_id)
             cmid.connect(rdma.conn_param(qp.qp.qp_num, hello))
             ev = await self._expect(events, rdma.ce.RDMA_CM_EVENT_CONNECT_RESPONSE, "connecting a lane")
@@ -641,9 +674,20 @@ class VerbsSession:
         self.lanes.append(lane)
         return lane
 
+    @property
+    def native_flush(self) -> bool:
+        """Whether this session's barriers to an appliance target end in a native RDMA FLUSH:
+        every lane can post one (both ends have it), and RPMEMFS_VERBS_FLUSH is not "read"."""
+        return (NATIVE_FLUSH and bool(self.lanes) and all(lane.native_flush for lane in self.lanes))
+
     def _region(self, reply: RemoteRegion, raw: dict[str, Any]) -> RemoteRegion:
+        method = reply.method
+        if method == "apm" and self.native_flush:
+            # FLUSH of global visibility is the appliance guarantee (placed, ordered after the
+            # writes) as the operation made for it, where the device reports it.
+            method = "flush"
         try:
-            return RemoteRegion(reply.name, reply.key, reply.size, reply.uuid, reply.method, reply.pmem,
+            return RemoteRegion(reply.name, reply.key, reply.size, reply.uuid, method, reply.pmem,
                                 rkey=int(raw["rkey"]), raddr=int(raw["addr"]))
         except (KeyError, TypeError, ValueError):
             raise TransportError(self.peer, "the target registered the pool without an rkey") from None

@@ -31,6 +31,19 @@ pytestmark = [
 START_TIMEOUT = 180.0  # Python start-up under the VM's software emulation
 
 
+def native_flush() -> bool:
+    """Whether this pyverbs and rxe0 can post native RDMA FLUSH (rdma-core 45+, Linux 6.2+)."""
+    from rpmemfs.transport import rdma
+
+    if not rdma.qpex_has_flush():
+        return False
+    ctx = rdma.Context(name=rdma_devices()[0])
+    try:
+        return bool(rdma.flush_access(ctx))
+    finally:
+        ctx.close()
+
+
 @pytest.fixture
 def work() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="rpmemfs-verbs-mount-", dir="/dev/shm"))
@@ -67,7 +80,8 @@ def test_mount_replicates_over_verbs(work: Path, monkeypatch: pytest.MonkeyPatch
         reps = st["replicas"]
         assert [r["transport"] for r in reps] == ["rdma", "rdma"], reps
         assert [r["state"] for r in reps] == ["in-sync", "in-sync"], reps
-        assert {r["method"] for r in reps} == {"apm", "gpspm"}
+        # The appliance target's flush is a native RDMA FLUSH where both ends have it.
+        assert {r["method"] for r in reps} == {"flush" if native_flush() else "apm", "gpspm"}
         for r in reps:
             assert r["barriers"] >= len(payloads), r
             assert r["flushes"] == r["barriers"], r  # exactly one flush per barrier

@@ -25,8 +25,6 @@ import pytest
 pytest.importorskip("pyverbs", reason="pyverbs is not importable (Debian's python3-pyverbs)")
 pytest.importorskip("trio")
 
-import pyverbs.cm_enums as ce  # noqa: E402
-import pyverbs.enums as e  # noqa: E402
 import trio  # noqa: E402
 import verbs_peer as vp  # noqa: E402
 from pyverbs.cmid import AddrInfo  # noqa: E402
@@ -36,6 +34,8 @@ from pyverbs.mr import MR  # noqa: E402
 from pyverbs.pd import PD  # noqa: E402
 from pyverbs.pyverbs_error import PyverbsRDMAError  # noqa: E402
 from pyverbs.wr import SendWR  # noqa: E402
+
+from rpmemfs.transport.rdma import ce, e  # noqa: E402  (pyverbs' enums, either version's names)
 
 IP_A = os.environ.get("RXE_IP_A", "")
 IP_B = os.environ.get("RXE_IP_B", "")
@@ -68,13 +68,14 @@ def make_pool(tag: str) -> Path:
 
 
 class TargetProcess:
-    """``verbs_peer.py target`` in a process of its own, listening on RXE_IP_B."""
+    """``verbs_peer.py target`` in a process of its own, listening on RXE_IP_B (``extra``:
+    more of its arguments, e.g. "flush")."""
 
-    def __init__(self, port: int, pool: Path) -> None:
+    def __init__(self, port: int, pool: Path, *extra: str) -> None:
         self.port = port
         self.pool = pool
         self.proc = subprocess.Popen(
-            [sys.executable, vp.__file__, "target", IP_B, str(port), str(pool)],
+            [sys.executable, vp.__file__, "target", IP_B, str(port), str(pool), *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )

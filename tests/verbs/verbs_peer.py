@@ -1,16 +1,18 @@
-"""Both ends of an RDMA connection for the verbs tests, on pyverbs (rdma-core 44).
+"""Both ends of an RDMA connection for the verbs tests, on pyverbs (rdma-core 44 or 59).
 
 The test process is the initiator and imports this module; the target is this file run as a
 script in a process of its own (pyverbs' blocking calls hold the GIL, and a vanishing peer
 must be a process that dies):
 
-    python verbs_peer.py target IP PORT POOL_FILE
+    python verbs_peer.py target IP PORT POOL_FILE [flush]
 
-The target maps POOL_FILE, registers the mapping once with remote read and write access,
-prints ``ready`` and serves one connection after another. It tells each initiator where the
-pool is (rkey, address, size) in the private data of its rdmacm accept. It answers a flush
-request (a SEND listing (offset, length) ranges: the general-purpose method) by msync-ing
-those ranges and SENDing a reply. It exits when its standard input closes.
+The target maps POOL_FILE, registers the mapping once with remote read and write access
+(with ``flush``, also IBV_ACCESS_FLUSH_GLOBAL on the MR and on each connection's queue pair:
+native RDMA FLUSH, rdma-core 45+ and Linux 6.2+; see test_verbs_flush.py), prints ``ready``
+and serves one connection after another. It tells each initiator where the pool is (rkey,
+address, size) in the private data of its rdmacm accept. It answers a flush request (a SEND
+listing (offset, length) ranges: the general-purpose method) by msync-ing those ranges and
+SENDing a reply. It exits when its standard input closes.
 
 Nothing here blocks: rdmacm events and completions are read from non-blocking file
 descriptors, and the callers wait for those descriptors (the target with poll(2), the tests
@@ -30,8 +32,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import pyverbs.cm_enums as ce
-import pyverbs.enums as e
 from pyverbs.cmid import CMID, AddrInfo
 from pyverbs.cq import WC
 from pyverbs.device import Context
@@ -50,8 +50,10 @@ from rpmemfs.transport.rdma import (  # noqa: F401  (the tests use them through 
     Event,
     EventChannel,
     VerbsError,
+    ce,  # pyverbs' enums, under rdma-core 44's names or 59's
     conn_param,
     device_name,
+    e,
 )
 
 MAX_SEND_WR = 128
@@ -59,6 +61,10 @@ MAX_RECV_WR = 16
 MSG_SIZE = 4096  # largest flush request or reply
 RECV_SLOTS = 4  # flush requests a target connection can have queued
 POOL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+# Native RDMA FLUSH: the access flag exists from rdma-core 45 on (0: this pyverbs has none).
+# FLUSH_GLOBAL only: rxe refuses FLUSH_PERSISTENT on memory that is not pmem (EINVAL).
+FLUSH_GLOBAL_ACCESS = rdma.FLUSH_ACCESS
+DEVICE_FLUSH_GLOBAL = rdma.DEVICE_FLUSH_GLOBAL  # the device_cap_flags_ex bit (Linux 6.2+ rxe)
 PAGE = mmap.PAGESIZE
 
 # Wire formats of this two-process test (not the product's): the pool description travels in
@@ -103,6 +109,24 @@ def unpack_flush(data: bytes) -> list[tuple[int, int]]:
     return [FLUSH_RANGE.unpack_from(data, FLUSH_HEAD.size + i * FLUSH_RANGE.size) for i in range(count)]
 
 
+def flush_unsupported(dev: str) -> str | None:
+    """Why native RDMA FLUSH (IBV_WR_FLUSH, FLUSH_GLOBAL) cannot be used on ``dev``, or None.
+
+    Checks what can be checked without a connection: this pyverbs (rdma-core 45+) and the
+    device's capability bit (rxe advertises it from Linux 6.2 on). Whether the userspace
+    provider takes IBV_QP_EX_WITH_FLUSH only shows when an extended QP is created."""
+    from pyverbs.qp import QPEx
+
+    if not (FLUSH_GLOBAL_ACCESS and hasattr(e, "IBV_QP_EX_WITH_FLUSH") and hasattr(QPEx, "wr_flush")):
+        return "this pyverbs has no RDMA FLUSH (IBV_QP_EX_WITH_FLUSH, QPEx.wr_flush: rdma-core 45+)"
+    with Context(name=dev) as ctx:
+        caps = ctx.query_device_ex().device_cap_flags_ex
+    if not caps & DEVICE_FLUSH_GLOBAL:
+        return (f"{dev} does not advertise FLUSH_GLOBAL (device_cap_flags_ex {caps:#x}, bit 38 clear;"
+                " rxe has it from Linux 6.2 on)")
+    return None
+
+
 def wait_readable(fds: Sequence[int], timeout: float | None) -> set[int]:
     """poll(2): the descriptors of ``fds`` that are readable (or hung up) within ``timeout``."""
     poller = select.poll()
@@ -116,10 +140,25 @@ def wait_readable(fds: Sequence[int], timeout: float | None) -> set[int]:
 
 
 class Conn(rdma.QueuePair):
-    """The queue pair of one connection (the product's), with this test's queue depths."""
+    """The queue pair of one connection (the product's), with this test's queue depths.
 
-    def __init__(self, cmid: CMID, ctx: Context, pd: PD) -> None:
+    ``qp_access``: access flags added to those rdmacm computes for the INIT transition
+    (remote write and read); a FLUSH responder needs IBV_ACCESS_FLUSH_GLOBAL there too, not
+    only on the MR."""
+
+    def __init__(self, cmid: CMID, ctx: Context, pd: PD, qp_access: int = 0) -> None:
+        self.qp_access = qp_access
+        self.cm_access = 0  # what rdmacm computed for INIT, for the log
         super().__init__(cmid, ctx, pd, send_depth=MAX_SEND_WR, recv_depth=MAX_RECV_WR)
+
+    def to_state(self, state: int) -> None:
+        attr, mask = self.cmid.init_qp_attr(state)
+        if state == e.IBV_QPS_INIT:
+            self.cm_access = attr.qp_access_flags
+        if state == e.IBV_QPS_INIT and self.qp_access:
+            attr.qp_access_flags = attr.qp_access_flags | self.qp_access
+            mask |= e.IBV_QP_ACCESS_FLAGS
+        self.qp.modify(attr, mask)
 
     def post_send_chain(self, wrs: Sequence[SendWR]) -> None:
         self.post_send(wrs)
@@ -158,7 +197,10 @@ def log(msg: str) -> None:
 class Target:
     """Serves one pool file to one initiator at a time."""
 
-    def __init__(self, ip: str, port: int, path: str) -> None:
+    def __init__(self, ip: str, port: int, path: str, flush: bool = False) -> None:
+        if flush and not FLUSH_GLOBAL_ACCESS:
+            raise VerbsError("flush: this pyverbs has no IBV_ACCESS_FLUSH_GLOBAL (rdma-core 45+)")
+        self.flush_access = FLUSH_GLOBAL_ACCESS if flush else 0
         fd = os.open(path, os.O_RDWR)
         self.size = os.fstat(fd).st_size
         self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -175,7 +217,7 @@ class Target:
         # pool is registered once, here, for every connection to come.
         self.ctx = Context(name=device_name(self.listen_id))
         self.pd = PD(self.ctx)
-        self.pool_mr = MR(self.pd, self.size, POOL_ACCESS, address=addr)
+        self.pool_mr = MR(self.pd, self.size, POOL_ACCESS | self.flush_access, address=addr)
         self.msgs = MR(self.pd, MSG_SIZE * (RECV_SLOTS + 1), e.IBV_ACCESS_LOCAL_WRITE)
         self.info = PoolInfo(self.pool_mr.rkey, addr, self.size)
         self.conn: Conn | None = None
@@ -186,7 +228,8 @@ class Target:
 
     def run(self) -> int:
         print("ready", flush=True)
-        log(f"listening on {device_name(self.listen_id)}, pool rkey {self.info.rkey:#x} size {self.size}")
+        log(f"listening on {device_name(self.listen_id)}, pool rkey {self.info.rkey:#x} size {self.size}"
+            + (" (FLUSH_GLOBAL)" if self.flush_access else ""))
         while True:
             fds = [0, self.events.fd] + ([self.conn.fd] if self.conn else [])
             ready = wait_readable(fds, None)
@@ -207,14 +250,15 @@ class Target:
                 log("second initiator rejected: one at a time")
                 ev.cmid.reject()
                 return
-            conn = Conn(ev.cmid, self.ctx, self.pd)
+            conn = Conn(ev.cmid, self.ctx, self.pd, self.flush_access)
             for slot in range(RECV_SLOTS):
                 conn.post_recv(self.msgs, slot * MSG_SIZE, MSG_SIZE, slot)
             conn.to_state(e.IBV_QPS_RTR)
             conn.to_state(e.IBV_QPS_RTS)
             ev.cmid.accept(conn_param(conn.qp.qp_num, self.info.pack()))
             self.conn = conn
-            log("connection request accepted")
+            log(f"connection request accepted (QP access flags {conn.cm_access:#x} from rdmacm"
+                f"{f', {conn.qp_access:#x} added' if conn.qp_access else ''})")
         elif ev.kind == ce.RDMA_CM_EVENT_ESTABLISHED:
             log("connection established")
         elif ev.kind == ce.RDMA_CM_EVENT_DISCONNECTED and self.conn is not None:
@@ -265,10 +309,10 @@ class Target:
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) != 5 or argv[1] != "target":
-        print(f"usage: {argv[0]} target IP PORT POOL_FILE", file=sys.stderr)
+    if len(argv) not in (5, 6) or argv[1] != "target" or argv[5:] not in ([], ["flush"]):
+        print(f"usage: {argv[0]} target IP PORT POOL_FILE [flush]", file=sys.stderr)
         return 2
-    return Target(argv[2], int(argv[3]), argv[4]).run()
+    return Target(argv[2], int(argv[3]), argv[4], flush=argv[5:] == ["flush"]).run()
 
 
 if __name__ == "__main__":
