@@ -377,7 +377,10 @@ class Operations(pyfuse3.Operations):
         if name == STATUS_XATTR and inode == pyfuse3.ROOT_INODE:
             # also reachable without the control socket, e.g. from inside a container
             return json.dumps(self.describe()).encode()
-        return self.fs.getxattr(inode, name)
+        value = self.fs.getxattr(inode, name)
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
 
     @errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
