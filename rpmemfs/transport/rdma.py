@@ -365,6 +365,13 @@ def flush_wr(wr_id: int, rkey: int, raddr: int, length: int) -> SendWR:
                sg=[SGE(0, 0, 0)], send_flags=e.IBV_SEND_SIGNALED)
 
 
+def aim_flush(wr: SendWR, wr_id: int, raddr: int, length: int) -> None:
+    """Point a FLUSH made by :func:`flush_wr` at remote [raddr, raddr+length) under a new id."""
+    kind, addr, _, lkey, rkey, _ = wr.desc  # type: ignore[attr-defined]
+    wr.desc = (kind, addr, length, lkey, rkey, raddr)  # type: ignore[attr-defined]
+    wr.wr_id = wr_id
+
+
 def write_wr(wr_id: int, addr: int, length: int, lkey: int, rkey: int, raddr: int,
              signaled: bool = False, inline: bool = False) -> SendWR:
     """An RDMA WRITE of local [addr, addr+length) to remote raddr; inline when it is tiny

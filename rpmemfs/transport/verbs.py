@@ -152,6 +152,7 @@ class VerbsLane:
         for slot in range(credits):
             self._qp.post_recv(self._msgs, slot * rdma.MSG_SIZE, rdma.MSG_SIZE, slot)
         self._read_wrs: dict[int, Any] = {}  # region key -> its flush READ, reused
+        self._flush_wrs: dict[int, Any] = {}  # region key -> its native FLUSH, re-aimed
         self._last_local: tuple[LocalPool, int, Any] | None = None  # (pool, address, MR)
 
     @property
@@ -421,13 +422,25 @@ class VerbsLane:
             spans = [(off, n) for off, n in ranges if n] or [(0, min(FLUSH_READ_SIZE, region.size))]
             start = min(off for off, _ in spans)
             end = max(off + n for off, n in spans)
-            flushes = [rdma.flush_wr(self._wr_id(), region.rkey, region.raddr + pos,
-                                     min(rdma.MAX_RDMA, end - pos))
-                       for pos in range(start, end, rdma.MAX_RDMA)]
-            for wr in flushes[:-1]:
-                wr.send_flags = 0  # completions come in order: the last one's says all
-            ticket.end_wr = flushes[-1].wr_id
-            self._submit(ticket, [[*wrs, *flushes]])
+            at_once = (not self._waiting and end - start <= rdma.MAX_RDMA and self._room(len(wrs) + 1)
+                       and len(wrs) < rdma.SEND_DEPTH // 2)
+            if at_once:
+                # As with the READ: one FLUSH request object per region, re-aimed each time
+                # (building a pyverbs work request costs more than posting it).
+                flush = self._flush_wrs.get(region.key)
+                if flush is None:
+                    flush = self._flush_wrs[region.key] = rdma.flush_wr(0, region.rkey, region.raddr, 8)
+                rdma.aim_flush(flush, self._wr_id(), region.raddr + start, end - start)
+                ticket.end_wr = flush.wr_id
+                self._post([*wrs, flush], ticket)
+            else:
+                flushes = [rdma.flush_wr(self._wr_id(), region.rkey, region.raddr + pos,
+                                         min(rdma.MAX_RDMA, end - pos))
+                           for pos in range(start, end, rdma.MAX_RDMA)]
+                for wr in flushes[:-1]:
+                    wr.send_flags = 0  # completions come in order: the last one's says all
+                ticket.end_wr = flushes[-1].wr_id
+                self._submit(ticket, [[*wrs, *flushes]])
         else:
             raise ValueError(f"unknown persistence method {method!r}")
         self.stats.batches += 1
