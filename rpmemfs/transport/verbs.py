@@ -65,7 +65,7 @@ FLUSH_READ_SIZE = 8
 # epoll costs more than most barriers (see docs/verbs.md for the measurements).
 SPIN_S = int(os.environ.get("RPMEMFS_VERBS_SPIN_US", "1000")) / 1e6
 # "read" keeps the 8-byte READ as the appliance flush even where native FLUSH is available
-# (measured on rxe under emulation, FLUSH was not faster: docs/verbs.md).
+# (on rxe under emulation a FLUSH-ended barrier measured 0.73x of a READ-ended one).
 NATIVE_FLUSH = os.environ.get("RPMEMFS_VERBS_FLUSH", "native") != "read"
 
 
