@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,14 @@ POOL_SIZE = "128M"
 
 
 @pytest.fixture
-def targets(hosts: list[Host]) -> list[TargetProcess]:
-    """The two targets, each on a host of its own (a network namespace behind a veth link)."""
-    return [h.target for h in hosts]
+def targets(hosts: list[Host]) -> Iterator[list[TargetProcess]]:
+    """The two targets, each on a host of its own (a network namespace behind a veth link).
+    Tests append the daemons they restart; teardown kills those too (they outlive the
+    namespace's name otherwise)."""
+    procs = [h.target for h in hosts]
+    yield procs
+    for t in procs:
+        t.close()
 
 
 def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
