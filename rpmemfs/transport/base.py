@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, Self
 BytesLike = bytes | bytearray | memoryview
 # What a target declares (METHODS), plus "flush": a verbs-only barrier whose flush is a native
 # RDMA FLUSH (global visibility, ordered after the writes: apm's guarantee, without the READ),
-# used only when asked for and both ends have it.
+# which a verbs session picks for an appliance target where both ends have it.
 Method = Literal["apm", "gpspm", "flush"]
 METHODS: tuple[Method, ...] = ("apm", "gpspm")
 DEFAULT_TIMEOUT = 10.0

@@ -13,9 +13,10 @@ A barrier is one chain of work requests handed to ibv_post_send: unsignaled RDMA
 the ranges from the local pool (registered once per session; inline when tiny), then one
 flush: a signaled 8-byte RDMA READ (appliance method: the responder answers it only after
 every earlier WRITE on the queue pair is placed) or a SEND of the whole range list, which the
-target persists and answers with a SEND (general-purpose method), or, asked for with method
-"flush" where both ends have it (rdma-core 45+, Linux 6.2+), a signaled native RDMA FLUSH
-(IBV_FLUSH_GLOBAL) of the written span, posted through an extended queue pair. One completion
+target persists and answers with a SEND (general-purpose method); for an appliance target
+whose lanes can all post it (rdma-core 45+ and Linux 6.2+ at both ends: method "flush"), a
+signaled native RDMA FLUSH (IBV_FLUSH_GLOBAL) of the written span instead of the READ,
+posted through an extended queue pair. One completion
 is awaited per barrier: the READ's, the FLUSH's, or the reply's receive. Waiting is trio
 waiting for the completion channel's descriptor, after a short busy poll of the completion
 queue.
@@ -64,8 +65,9 @@ FLUSH_READ_SIZE = 8
 # Busy-poll the completion queue this long before sleeping on the channel: a wake-up from
 # epoll costs more than most barriers (see docs/verbs.md for the measurements).
 SPIN_S = int(os.environ.get("RPMEMFS_VERBS_SPIN_US", "1000")) / 1e6
-# "read" keeps the 8-byte READ as the appliance flush even where native FLUSH is available
-# (on rxe under emulation a FLUSH-ended barrier measured 0.73x of a READ-ended one).
+# "read" keeps the 8-byte READ as the appliance flush even where native FLUSH is available,
+# and lanes plain queue pairs (on rxe under emulation a FLUSH-ended barrier measured 0.73x of
+# a READ-ended one).
 NATIVE_FLUSH = os.environ.get("RPMEMFS_VERBS_FLUSH", "native") != "read"
 
 
@@ -276,6 +278,11 @@ class VerbsLane:
     def _room(self, n: int) -> bool:
         return self._sq_used + n <= rdma.SEND_DEPTH
 
+    def _postable_now(self, writes: int) -> bool:
+        """Whether ``writes`` WRITEs and one flush request can be posted at once, in one chain
+        (nothing queued ahead, room in the send queue); else they go through _submit."""
+        return not self._waiting and self._room(writes + 1) and writes < rdma.SEND_DEPTH // 2
+
     def _post(self, chain: list[Any], ticket: VerbsTicket) -> None:
         """One ibv_post_send of ``chain``, its last work request signaled."""
         last = chain[-1]
@@ -398,7 +405,7 @@ class VerbsLane:
             if region.size < FLUSH_READ_SIZE:
                 raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")
             # A work request object posted at once may be posted again: reuse the region's.
-            at_once = not self._waiting and self._room(len(wrs) + 1) and len(wrs) < rdma.SEND_DEPTH // 2
+            at_once = self._postable_now(len(wrs))
             read = self._read_wrs.get(region.key) if at_once else None
             if read is None:
                 read = rdma.read_wr(self._wr_id(), self._scratch.buf, FLUSH_READ_SIZE, self._scratch.lkey,
@@ -422,8 +429,7 @@ class VerbsLane:
             spans = [(off, n) for off, n in ranges if n] or [(0, min(FLUSH_READ_SIZE, region.size))]
             start = min(off for off, _ in spans)
             end = max(off + n for off, n in spans)
-            at_once = (not self._waiting and end - start <= rdma.MAX_RDMA and self._room(len(wrs) + 1)
-                       and len(wrs) < rdma.SEND_DEPTH // 2)
+            at_once = end - start <= rdma.MAX_RDMA and self._postable_now(len(wrs))
             if at_once:
                 # As with the READ: one FLUSH request object per region, re-aimed each time
                 # (building a pyverbs work request costs more than posting it).
@@ -654,7 +660,8 @@ class VerbsSession:
             elif dev != self.device:
                 raise TransportError(self.peer, f"lanes of one session on two devices ({self.device}, {dev})")
             qp = None
-            if self.info.get("flush") and rdma.qpex_has_flush() and rdma.flush_access(self._ctx):
+            flush = NATIVE_FLUSH and self.info.get("flush") and rdma.qpex_has_flush()
+            if flush and rdma.flush_access(self._ctx):
                 try:
                     qp = rdma.QueuePair(cmid, self._ctx, self._pd, send_depth=rdma.SEND_DEPTH,
                                         recv_depth=self._credits, flush=True)
@@ -690,8 +697,8 @@ class VerbsSession:
     @property
     def native_flush(self) -> bool:
         """Whether this session's barriers to an appliance target end in a native RDMA FLUSH:
-        every lane can post one (both ends have it), and RPMEMFS_VERBS_FLUSH is not "read"."""
-        return (NATIVE_FLUSH and bool(self.lanes) and all(lane.native_flush for lane in self.lanes))
+        every lane can post one (both ends have it, and RPMEMFS_VERBS_FLUSH is not "read")."""
+        return bool(self.lanes) and all(lane.native_flush for lane in self.lanes)
 
     def _region(self, reply: RemoteRegion, raw: dict[str, Any]) -> RemoteRegion:
         method = reply.method
