@@ -48,15 +48,15 @@ def _token(path: str | None) -> bytes | None:
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
     from rpmemfs.fs.mkfs import MkfsError
-    from rpmemfs.replica.provision import ProvisionError, create_pool
-    from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
+    from rpmemfs.mountd.provision import ProvisionError, create_pool
+    from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, poolset_at
 
     pool, size_text, specs = args.pool, args.size, []
     try:
         for text in args.replica or []:
             specs.append(ReplicaSpec.parse(text))
-        if os.path.isfile(pool) and is_poolset(pool):
-            ps = read_poolset(pool)
+        ps = poolset_at(pool)
+        if ps is not None:
             if size_text is not None and parse_size(size_text) != ps.size:
                 raise CliError(f"--size {size_text} disagrees with the pool set's {ps.size} bytes")
             pool, size, specs = ps.path, ps.size, ps.replicas + specs
@@ -81,7 +81,7 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from rpmemfs.mountd import MountError, run
+    from rpmemfs.mountd.daemon import MountError, run
 
     try:
         return run(args.pool, args.mountpoint, args.o or [], args.foreground)
@@ -90,7 +90,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _status(mountpoint: str) -> dict[str, Any]:
-    from rpmemfs import control
+    from rpmemfs.mountd import control
 
     if not os.path.ismount(mountpoint):
         raise CliError(f"{mountpoint} is not a mount point")
@@ -136,7 +136,7 @@ def _mounted_from(pool: str) -> str | None:
 
 def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
     """A long request to a mount's daemon, with a progress bar from its progress lines."""
-    from rpmemfs import control
+    from rpmemfs.mountd import control
 
     show = _progress(label)
     try:
@@ -150,14 +150,14 @@ def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
 
 def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
     """(pool file, replicas from a pool-set file or None) for a command on an unmounted pool."""
-    from rpmemfs.replica.spec import PoolSetError, is_poolset, read_poolset
+    from rpmemfs.replica.spec import PoolSetError, poolset_at
 
     pool, specs = path, None
-    if os.path.isfile(pool) and is_poolset(pool):
-        try:
-            ps = read_poolset(pool)
-        except PoolSetError as e:
-            raise CliError(str(e)) from None
+    try:
+        ps = poolset_at(pool)
+    except PoolSetError as e:
+        raise CliError(str(e)) from None
+    if ps is not None:
         pool, specs = ps.path, ps.replicas
     if not os.path.isfile(pool):
         raise CliError(f"{path} is neither a pool file nor a mount point")
@@ -289,13 +289,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rpmemfs import bench
+    from rpmemfs.tools import bench
 
     return bench.main(args.rest)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from rpmemfs.demo import run_demo
+    from rpmemfs.tools.demo import run_demo
 
     return run_demo(args.dir, args.size)
 
@@ -382,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         return target_main(argv[1:])
     if argv[:1] == ["bench"]:
         # The benchmark has its own options; argparse's REMAINDER would refuse "--quick".
-        from rpmemfs import bench
+        from rpmemfs.tools import bench
 
         return bench.main(argv[1:])
     if argv[:1] == ["soak"]:
         # Writers, faults and a final check of every acknowledged write; its own options.
-        from rpmemfs import soak
+        from rpmemfs.tools import soak
 
         return soak.main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -24,8 +24,8 @@ import trio
 
 from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
 from rpmemfs.fs.inode import Inode
-from rpmemfs.fs.layout import BLOCK
 from rpmemfs.poller import RequestPoller
+from rpmemfs.pool.layout import BLOCK
 from rpmemfs.replica.replica_set import ReplicaError
 
 log = logging.getLogger("rpmemfs.fuse")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The verbs benchmark (rpmemfs/bench/verbs.py): barriers over Soft-RoCE inside the VM, beside
+# The verbs benchmark (rpmemfs/tools/bench/verbs.py): barriers over Soft-RoCE inside the VM, beside
 # perftest's ib_write_lat / ib_read_lat / ib_write_bw on the same rxe pair, as ratios.
 # Sets up what scripts/test-verbs.sh sets up; arguments go to the benchmark, e.g.
 #   scripts/bench-verbs.sh --iterations 500 --json /tmp/verbs.json
@@ -16,4 +16,4 @@ case "$STACK" in
 esac
 VERBS_STACK=$STACK scripts/test-verbs.sh --setup-only || exit $?
 env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" VM_TIMEOUT="${VM_TIMEOUT:-1800}" \
-    vm/run.sh "$py" -m rpmemfs.bench.verbs "$@"
+    vm/run.sh "$py" -m rpmemfs.tools.bench.verbs "$@"

@@ -27,7 +27,7 @@ from helpers import (  # noqa: E402
     mounts_under,
 )
 
-from rpmemfs.target.spawn import TargetProcess  # noqa: E402
+from rpmemfs.tools.processes import TargetProcess  # noqa: E402
 
 # A test that takes longer than this is hung (the slowest takes ~15 s). The watchdog records
 # what the daemons were doing, then SIGKILLs them: that aborts the FUSE connection, so a test

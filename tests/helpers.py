@@ -473,7 +473,7 @@ def identify(chunk: bytes) -> str:
 
 def pool_content(path: Path) -> bytes:
     """What replicas of a pool hold: the pool without its node-local sync map."""
-    from rpmemfs.fs.layout import Header
+    from rpmemfs.pool.layout import Header
 
     raw = path.read_bytes()
     return raw[: Header.decode(raw[:4096]).map_off]

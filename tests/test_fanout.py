@@ -20,7 +20,7 @@ import pytest
 from conftest import MountPool
 from helpers import cli
 
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 
 DELAYS = (0.15, 0.25)
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import Host, MountPool
 from helpers import cli, fsync_path, pool_content, replica_file, status_json, wait_until, write_fsync
 
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 
 POOL_SIZE = "128M"
 
@@ -160,7 +160,7 @@ def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
 
 
 def _epoch(path: Path) -> str:
-    from rpmemfs.fs.layout import Header, show_epoch
+    from rpmemfs.pool.layout import Header, show_epoch
 
     return show_epoch(Header.decode(path.read_bytes()[:4096]).epoch)
 

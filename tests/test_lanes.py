@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from rpmemfs.native import ffi
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport.auth import read_token_file
 from rpmemfs.transport.base import LocalPool, Session, Transport, TransportError
 from rpmemfs.transport.choose import rdma_devices, transport_for

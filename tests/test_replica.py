@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import trio
 
-from rpmemfs.fs.layout import BACKUP_OFF, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool.layout import BACKUP_OFF, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.replica import (
     PoolSetError,
     ReplicaError,
@@ -37,7 +37,7 @@ from rpmemfs.replica import (
     write_table,
 )
 from rpmemfs.replica.table import BACKUP_TABLE_OFF, PRIMARY_OFF
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport import TransportError, connect
 
 pytestmark = pytest.mark.timeout(60)

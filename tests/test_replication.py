@@ -27,7 +27,7 @@ from helpers import (
     status_json,
 )
 
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 
 
 def _mkfs_replicated(pool: Path, targets: list[TargetProcess], name: str = "app",

@@ -12,7 +12,7 @@ from pathlib import Path
 def test_a_short_soak_passes_with_faults_injected(work_dir: Path) -> None:
     out = work_dir / "soak.json"
     res = subprocess.run(
-        [sys.executable, "-m", "rpmemfs.soak", "--seconds", "10", "--writers", "2", "--kill-every", "2",
+        [sys.executable, "-m", "rpmemfs.tools.soak", "--seconds", "10", "--writers", "2", "--kill-every", "2",
          "--dir", str(work_dir / "soak"), "--json", str(out)],
         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]

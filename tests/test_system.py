@@ -129,7 +129,7 @@ def test_demo_runs_and_stops_cleanly(work_dir: Path) -> None:
 
 
 def test_status_without_xattrs_and_socket_cleanup(work_dir: Path) -> None:
-    from rpmemfs.control import socket_path
+    from rpmemfs.mountd.control import socket_path
 
     pool, mnt = work_dir / "p.pool", work_dir / "mnt"
     mnt.mkdir()

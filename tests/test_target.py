@@ -27,7 +27,7 @@ import trio
 
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.peers import is_loopback, peer_allowed
-from rpmemfs.target.spawn import SpawnError, TargetProcess
+from rpmemfs.tools.processes import SpawnError, TargetProcess
 from rpmemfs.transport import TcpSession, TransportError, auth, barrier, connect
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.wire import (

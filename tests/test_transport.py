@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import trio
 
-from rpmemfs.fs.layout import Header
 from rpmemfs.fs.mkfs import mkfs
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.pool.layout import Header
+from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport import RemoteRegion, TcpSession, TransportError, auth, barrier, connect
 from rpmemfs.transport.wire import HELLO_SIZE, Frame, Hello, Op
 

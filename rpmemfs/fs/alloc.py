@@ -7,6 +7,8 @@ durable: reusing them earlier would let a crash resurrect the old owner pointing
 
 from __future__ import annotations
 
+from typing import Any
+
 FREE_B = b"\x00"
 USED_B = b"\x01"
 
@@ -26,12 +28,13 @@ class Allocator:
         self.free = nblocks
         self.cursor = 0
         # (seq of the record that frees them, or None while that record is not yet written, runs)
-        self._pending: list[list] = []
+        self._pending: list[list[Any]] = []
         self._unlogged: list[tuple[int, int]] = []
 
     @property
     def pending_blocks(self) -> int:
-        return sum(c for _, runs in self._pending for _, c in runs) + sum(
+        pending: int = sum(c for _, runs in self._pending for _, c in runs)
+        return pending + sum(
             c for _, c in self._unlogged)
 
     def mark_used(self, start: int, count: int) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import stat
 from typing import Any
 
-from rpmemfs.fs.filesystem import read_header
-from rpmemfs.fs.layout import (
+from rpmemfs.fs.log import scan
+from rpmemfs.fs.replay import ROOT_INO, Index
+from rpmemfs.pool.header import read_header
+from rpmemfs.pool.layout import (
     AREA_HDR_BYTES,
     BACKUP_OFF,
     BLOCK,
@@ -16,8 +18,6 @@ from rpmemfs.fs.layout import (
     AreaHeader,
     PoolFormatError,
 )
-from rpmemfs.fs.log import scan
-from rpmemfs.fs.replay import ROOT_INO, Index
 
 
 def check(buf: memoryview, path: str = "") -> dict[str, Any]:

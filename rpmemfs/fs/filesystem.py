@@ -20,17 +20,10 @@ from dataclasses import dataclass
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
 from rpmemfs.fs.inode import Inode
-from rpmemfs.fs.layout import (
-    BACKUP_OFF,
-    BLOCK,
-    BLOCK_SHIFT,
-    HEADER_BYTES,
-    HEADER_OFF,
-    Header,
-    PoolFormatError,
-)
 from rpmemfs.fs.log import Log, LogFull, LogScan, Ranges, scan
 from rpmemfs.fs.replay import ROOT_INO, Index
+from rpmemfs.pool.header import read_header, write_header
+from rpmemfs.pool.layout import BACKUP_OFF, BLOCK, BLOCK_SHIFT, HEADER_BYTES, Header, PoolFormatError
 
 log = logging.getLogger("rpmemfs.fs")
 
@@ -60,36 +53,6 @@ class Persister:
 
     def persist(self, ranges: Ranges) -> None: ...
     def persist_then_store(self, first: Ranges, offset: int, data: bytes) -> None: ...
-
-
-def read_header(buf: memoryview) -> tuple[Header, list[str]]:
-    """The pool header and what is wrong with either copy (mount rewrites a damaged one)."""
-    copies: list[Header | None] = []
-    errors: list[str] = []
-    for off in (HEADER_OFF, BACKUP_OFF):
-        try:
-            copies.append(Header.decode(buf[off: off + HEADER_BYTES]))
-            errors.append("")
-        except PoolFormatError as e:
-            copies.append(None)
-            errors.append(str(e))
-    primary, backup = copies
-    if primary is None and backup is None:
-        if "magic" in errors[0] and "magic" in errors[1]:
-            raise PoolFormatError("not an rpmemfs pool (bad magic in both headers)")
-        raise PoolFormatError(f"both pool headers are damaged: primary: {errors[0]}; "
-                              f"backup: {errors[1]}")
-    problems: list[str] = []
-    if primary is None:
-        problems.append(f"primary header damaged: {errors[0]} (the backup is intact; "
-                        f"mounting repairs the primary)")
-    elif backup is None:
-        problems.append(f"backup header damaged: {errors[1]} (mounting repairs it)")
-    elif primary != backup:
-        problems.append("primary and backup headers differ (mounting rewrites the backup)")
-    hdr = primary or backup
-    assert hdr is not None
-    return hdr, problems
 
 
 @dataclass
@@ -141,10 +104,7 @@ class Filesystem:
             raise PoolFormatError(
                 f"pool file is truncated: header says {hdr.pool_size} bytes, file has {len(buf)}")
         if problems and repair:
-            raw = hdr.encode()
-            for off in (HEADER_OFF, BACKUP_OFF):
-                buf[off: off + len(raw)] = raw
-            persister.persist([(HEADER_OFF, len(raw)), (BACKUP_OFF, len(raw))])
+            persister.persist(write_header(buf, hdr))
             log.warning("pool header repaired: %s", problems[0])
         t0 = time.perf_counter()
         found = scan(buf, hdr)
@@ -163,8 +123,8 @@ class Filesystem:
         fs.replay_stats = (len(found.records), entries, dt)
         orphans = index.orphans()
         if orphans:
-            entries = [e for ino in orphans for e in fs._free_if_unused(fs.inodes[ino])]
-            fs._commit(entries, freeing=orphans)
+            freed = [e for ino in orphans for e in fs._free_if_unused(fs.inodes[ino])]
+            fs._commit(freed, freeing=orphans)
             fs.sync()
             log.info("reclaimed %d orphan inodes", len(orphans))
         return fs

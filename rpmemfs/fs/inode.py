@@ -5,7 +5,7 @@ from __future__ import annotations
 import stat
 
 from rpmemfs.fs import records as R
-from rpmemfs.fs.layout import BLOCK_SHIFT
+from rpmemfs.pool.layout import BLOCK_SHIFT
 
 
 class Inode:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rpmemfs.fs import records as R
-from rpmemfs.fs.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
+from rpmemfs.pool.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
 
 Ranges = list[tuple[int, int]]
 

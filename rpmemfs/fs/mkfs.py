@@ -10,7 +10,9 @@ import uuid as uuidlib
 from collections.abc import Callable
 
 from rpmemfs.fs import records as R
-from rpmemfs.fs.layout import (
+from rpmemfs.fs.replay import ROOT_INO
+from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool.layout import (
     AREA_RECORDS_OFF,
     BACKUP_OFF,
     HEADER_OFF,
@@ -19,9 +21,7 @@ from rpmemfs.fs.layout import (
     PoolFormatError,
     plan,
 )
-from rpmemfs.fs.replay import ROOT_INO
-from rpmemfs.fs.syncmap import format_map
-from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool.syncmap import format_map
 
 
 class MkfsError(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from rpmemfs.native import crc32c
 
@@ -137,7 +138,7 @@ def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 <<
     follows) from damage in the middle of the log (intact, newer records follow).
     """
     end = min(len(area) - REC_BYTES, off + window)
-    probes = range(off + 8, end + 1, 8)
+    probes: list[int] | range = range(off + 8, end + 1, 8)
     if off + REC_BYTES <= len(area):  # the damaged record's own length, when it is plausible
         _crc, length, _seq = REC.unpack_from(area, off)
         nxt = off + REC_BYTES + _pad(length)
@@ -154,7 +155,7 @@ def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 <<
 _FIXED: dict[int, struct.Struct] = {
     T_INODE: INODE, T_MAP: MAP, T_TRUNC: TRUNC, T_FREE: FREE, T_NEXTINO: NEXTINO,
 }
-_TAILED: dict[int, tuple[struct.Struct, Callable[[tuple], int]]] = {
+_TAILED: dict[int, tuple[struct.Struct, Callable[[tuple[int, ...]], int]]] = {
     T_LINK: (LINK, lambda f: f[1]),
     T_UNLINK: (UNLINK, lambda f: f[1]),
     T_SYMLINK: (SYMLINK, lambda f: f[1]),
@@ -163,7 +164,7 @@ _TAILED: dict[int, tuple[struct.Struct, Callable[[tuple], int]]] = {
 }
 
 
-def entries(payload: memoryview) -> Iterator[tuple[int, tuple, bytes]]:
+def entries(payload: memoryview) -> Iterator[tuple[int, tuple[Any, ...], bytes]]:
     """Yield (tag, fixed fields, trailing bytes) for each entry of a payload."""
     off = 0
     n = len(payload)

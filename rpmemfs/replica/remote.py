@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from rpmemfs.fs.layout import AREAS_OFF, BLOCK, Header
+from rpmemfs.pool.layout import AREAS_OFF, BLOCK, Header
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError, coalesce
 from rpmemfs.transport.choose import transport_for

@@ -20,10 +20,10 @@ from typing import Any
 
 import trio
 
-from rpmemfs.fs.filesystem import read_header
-from rpmemfs.fs.layout import BLOCK, Header, PoolFormatError
-from rpmemfs.fs.syncmap import SyncMap, format_map
 from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool.header import read_header
+from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
+from rpmemfs.pool.syncmap import SyncMap, format_map
 from rpmemfs.replica.replica_set import ReplicaSet
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table, write_table

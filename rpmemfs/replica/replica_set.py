@@ -17,9 +17,10 @@ from typing import Any
 
 import trio
 
-from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, Header, PoolFormatError
-from rpmemfs.fs.syncmap import SyncMap
 from rpmemfs.native import ffi
+from rpmemfs.pool.header import read_header
+from rpmemfs.pool.layout import BLOCK, PoolFormatError
+from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica.remote import create_remote
 from rpmemfs.replica.replica import Posted, Replica
 from rpmemfs.replica.spec import ReplicaSpec
@@ -68,13 +69,7 @@ def show_uuid(raw: bytes | None) -> str:
 
 def _remote_uuid(head: bytes) -> bytes:
     """The uuid from the primary header copy, else the backup; PoolFormatError if neither."""
-    try:
-        return Header.decode(head[HEADER_OFF : HEADER_OFF + BLOCK]).uuid
-    except PoolFormatError as primary:
-        try:
-            return Header.decode(head[BACKUP_OFF : BACKUP_OFF + BLOCK]).uuid
-        except PoolFormatError as backup:
-            raise PoolFormatError(f"no valid pool header (primary: {primary}; backup: {backup})") from None
+    return read_header(head)[0].uuid
 
 
 @dataclass

@@ -191,3 +191,14 @@ def is_poolset(path: str) -> bool:
         if line:
             return line == POOLSET_MAGIC
     return False
+
+
+def poolset_at(path: str) -> PoolSet | None:
+    """The pool set when ``path`` names a pool-set file; None when it names anything else (a
+    pool file, or nothing yet). PoolSetError when it is a pool-set file that does not parse.
+
+    Every command that takes "POOL or POOLSET" asks this, so they all agree on which is which.
+    """
+    if os.path.isfile(path) and is_poolset(path):
+        return read_poolset(path)
+    return None

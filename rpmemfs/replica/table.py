@@ -21,8 +21,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF
 from rpmemfs.native import crc32c
+from rpmemfs.pool.layout import BACKUP_OFF, BLOCK, HEADER_OFF
 from rpmemfs.replica.spec import ReplicaSpec
 
 TABLE_MAGIC = b"RPMREPL\x00"

@@ -17,9 +17,9 @@ from typing import Any
 
 import trio
 
-from rpmemfs.fs.filesystem import read_header
-from rpmemfs.fs.layout import PoolFormatError
 from rpmemfs.native import crc32c
+from rpmemfs.pool.header import read_header
+from rpmemfs.pool.layout import PoolFormatError
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for

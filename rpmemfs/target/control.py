@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from rpmemfs.fs.layout import epoch_gen, show_epoch
 from rpmemfs.native import crc32c
+from rpmemfs.pool.layout import epoch_gen, show_epoch
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession

@@ -9,9 +9,10 @@ import stat
 import threading
 from typing import Any
 
-from rpmemfs.fs.layout import BACKUP_OFF, HEADER_BYTES, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
+from rpmemfs.pool.header import find_header
+from rpmemfs.pool.layout import Header
 from rpmemfs.target.names import pool_path
 from rpmemfs.units import human
 
@@ -81,12 +82,7 @@ class Pool:
     @property
     def header(self) -> Header | None:
         """The pool header (primary copy, else the backup), or None while there is none."""
-        for off in (HEADER_OFF, BACKUP_OFF):
-            try:
-                return Header.decode(self.buf[off : off + HEADER_BYTES])
-            except PoolFormatError:
-                continue
-        return None
+        return find_header(self.buf)
 
     def needs_thread(self, ranges: list[tuple[int, int]]) -> bool:
         return not self.mapping.is_pmem and sum(length for _, length in ranges) > THREAD_PERSIST_MIN

@@ -18,7 +18,7 @@ import helpers
 import pytest
 from helpers import Mount, cli, pool_content, replica_file, status_json, write_fsync
 
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport.choose import rdma_devices
 
 IP_A = os.environ.get("RXE_IP_A", "")

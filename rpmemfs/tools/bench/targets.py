@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from rpmemfs.bench.mounts import (
+from rpmemfs.tools.bench.mounts import (
     MountError,
     child_env,
     python_module,
     stop_daemon,
     wait_until_mounted,
 )
-from rpmemfs.target.spawn import SpawnError, TargetProcess
+from rpmemfs.tools.processes import SpawnError, TargetProcess
 
 RPMEMFS = "rpmemfs"
 RPMEMFS_NOXATTR = "rpmemfs-noxattr"
@@ -184,7 +184,7 @@ def passthrough_target(name: str, workdir: Path, pool_size: str) -> Iterator[Tar
     mountpoint = workdir / f"mnt-{name}"
     log = workdir / f"{name}.log"
     extra = ["--xattr"] if name == PASSTHROUGH_XATTR else []
-    argv = python_module("rpmemfs.bench.passthrough", *extra, str(source), str(mountpoint))
+    argv = python_module("rpmemfs.tools.bench.passthrough", *extra, str(source), str(mountpoint))
     with _daemon(argv, mountpoint, log, name) as mnt:
         yield Target(mnt, log)
 

@@ -1,6 +1,6 @@
 """Replication microbenchmark below FUSE: what one barrier to one replica costs.
 
-`rpmemfs bench --micro` or `python -m rpmemfs.bench.micro`. Two target daemons on
+`rpmemfs bench --micro` or `python -m rpmemfs.tools.bench.micro`. Two target daemons on
 loopback, one `--pmem force --persist apm` and one with the defaults (gpspm); a local pool
 made with `rpmemfs.fs.mkfs.mkfs` on tmpfs and mapped with pmem mode "force"; for each
 target in turn a replica pool is created from it (`create_remote`) and opened as a
@@ -31,14 +31,14 @@ from pathlib import Path
 
 import trio
 
-from rpmemfs.bench.machine import describe, one_line
-from rpmemfs.bench.progress import note
-from rpmemfs.bench.stats import percentile
-from rpmemfs.fs.layout import Header
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool.layout import Header
 from rpmemfs.replica import ReplicaSet, ReplicaSpec, create_remote, metadata_ranges
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.bench.machine import describe, one_line
+from rpmemfs.tools.bench.progress import note
+from rpmemfs.tools.bench.stats import percentile
+from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport.base import Lane, RemoteRegion
 
 KIB = 1 << 10

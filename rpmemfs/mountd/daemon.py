@@ -16,15 +16,17 @@ from typing import Any
 import pyfuse3
 import trio
 
-from rpmemfs import control, logs
+from rpmemfs import logs
 from rpmemfs.fs.filesystem import Filesystem
-from rpmemfs.fs.layout import BACKUP_OFF, BLOCK, HEADER_OFF, PoolFormatError, next_epoch
-from rpmemfs.fs.syncmap import SyncMap
 from rpmemfs.fuse import Operations
+from rpmemfs.mountd import control
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
+from rpmemfs.pool.header import write_header
+from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch
+from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaError, ReplicaSet
-from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, is_poolset, read_poolset
+from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
 from rpmemfs.transport.auth import TokenError, read_token_file
@@ -109,13 +111,13 @@ class Mounted:
 
     def __init__(self, pool: str, mountpoint: str, mo: MountOptions) -> None:
         self.mo = mo
-        poolset_specs: list[ReplicaSpec] | None = None
-        if os.path.isfile(pool) and is_poolset(pool):
-            try:
-                ps = read_poolset(pool)
-            except PoolSetError as e:
-                raise MountError(str(e)) from None
-            pool, poolset_specs = ps.path, ps.replicas
+        try:
+            ps = poolset_at(pool)
+        except PoolSetError as e:
+            raise MountError(str(e)) from None
+        poolset_specs = ps.replicas if ps is not None else None
+        if ps is not None:
+            pool = ps.path
         self.pool = os.path.abspath(pool)
         self.mountpoint = os.path.abspath(mountpoint)
         if not os.path.exists(self.pool):
@@ -163,10 +165,7 @@ class Mounted:
         self.syncmap = SyncMap(self.mapping.buf, self.fs.hdr, self.mapping.persist)
         self.prev_epoch = self.fs.hdr.epoch
         self.fs.hdr = replace(self.fs.hdr, epoch=next_epoch(self.prev_epoch, secrets.randbits(32)))
-        raw = self.fs.hdr.encode()
-        for off in (BACKUP_OFF, HEADER_OFF):
-            self.mapping.buf[off : off + len(raw)] = raw
-        self.header_ranges = [(BACKUP_OFF, len(raw)), (HEADER_OFF, len(raw))]
+        self.header_ranges = write_header(self.mapping.buf, self.fs.hdr)
         self.mapping.persist(self.header_ranges)
         if not self.syncmap.reliable and self.specs:
             log.warning("pool %s was not unmounted cleanly (or its sync map is not its own): "

@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-log = logging.getLogger("rpmemfs.control")
+log = logging.getLogger("rpmemfs.mountd.control")
 MAX_REQUEST = 256
 
 
@@ -52,7 +52,10 @@ async def serve(path: str, handlers: Mapping[str, Handler],
     listener = trio.SocketListener(sock)
     task_status.started()
     try:
-        await trio.serve_listeners(lambda s: _answer(s, handlers), [listener])
+        async def answer(stream: trio.SocketStream) -> None:
+            await _answer(stream, handlers)
+
+        await trio.serve_listeners(answer, [listener])
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)

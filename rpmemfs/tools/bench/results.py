@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rpmemfs.bench.stats import WorkloadResult
+from rpmemfs.tools.bench.stats import WorkloadResult
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`rpmemfs bench`: rpmemfs against a pass-through FUSE filesystem and a plain directory.
 
-Entry point for the CLI is `main(argv)`; `python -m rpmemfs.bench` works as well.
+Entry point for the CLI is `main(argv)`; `python -m rpmemfs.tools.bench` works as well.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def _exit_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 if every target ran every workload, 1 otherwise."""
-    # Imported here so `python -m rpmemfs.bench.passthrough` stays light.
-    from rpmemfs.bench import options, report, runner
+    # Imported here so `python -m rpmemfs.tools.bench.passthrough` stays light.
+    from rpmemfs.tools.bench import options, report, runner
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--"]:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         args = args[1:]
     if "--micro" in args:
         # The replication microbenchmark has options of its own (--quick among them).
-        from rpmemfs.bench import micro
+        from rpmemfs.tools.bench import micro
 
         _exit_on_sigterm()
         return micro.main([a for a in args if a != "--micro"])

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import trio
 
-from rpmemfs.fs.layout import Header
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool.layout import Header
 from rpmemfs.replica.remote import create_remote, metadata_ranges
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import write_table

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from rpmemfs.bench.targets import DEFAULT_TARGETS, REPLICA_TARGETS, TARGET_NAMES
-from rpmemfs.bench.workloads import WORKLOADS
+from rpmemfs.tools.bench.targets import DEFAULT_TARGETS, REPLICA_TARGETS, TARGET_NAMES
+from rpmemfs.tools.bench.workloads import WORKLOADS
 
 MOUNT100K = "mount100k"
 DEFAULT_MOUNT_FILES = 100_000
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", action="store_true",
                    help="run the replication microbenchmark below FUSE instead "
                         "(barrier latency per persistence method; see "
-                        "`python -m rpmemfs.bench.micro --help`)")
+                        "`python -m rpmemfs.tools.bench.micro --help`)")
     p.add_argument("--pool-size", default="1G", metavar="SIZE",
                    help="size of the rpmemfs pool, as `rpmemfs mkfs --size` takes it "
                         "(default: 1G)")
@@ -99,7 +99,7 @@ def parse(argv: list[str]) -> Options:
     if not selected and mount_files is None:
         parser.error("--only selected nothing to run")
 
-    targets = DEFAULT_TARGETS
+    targets: tuple[str, ...] = DEFAULT_TARGETS
     if args.replicas and args.targets is not None:
         parser.error("--replicas selects the targets itself; drop --targets")
     if args.replicas:

@@ -6,10 +6,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rpmemfs.bench.machine import one_line
-from rpmemfs.bench.results import Outcome, RunResult
-from rpmemfs.bench.stats import Metric
-from rpmemfs.bench.targets import (
+from rpmemfs.tools.bench.machine import one_line
+from rpmemfs.tools.bench.results import Outcome, RunResult
+from rpmemfs.tools.bench.stats import Metric
+from rpmemfs.tools.bench.targets import (
     PASSTHROUGH,
     PASSTHROUGH_XATTR,
     PLAIN,

@@ -10,7 +10,7 @@ A pool is one file:
     [map_off, end)   sync map (format version 2): per replica, the chunks it may be missing
 
 Only ``[0, map_off)`` is the pool's content, the same on every replica. The sync map is this
-node's own record of which replicas lag behind where (rpmemfs.fs.syncmap.py); it is
+node's own record of which replicas lag behind where (rpmemfs.pool.syncmap.py); it is
 never sent to a replica, and a version 1 pool has none (its map_off is its size).
 
 Only one log area is active: the one whose area header is valid and has the highest
@@ -84,7 +84,7 @@ class Header:
         return body + _CRC.pack(crc32c(body))
 
     @classmethod
-    def decode(cls, raw: bytes | memoryview) -> Header:
+    def decode(cls, raw: bytes | bytearray | memoryview) -> Header:
         """Parse one header copy; PoolFormatError says what is wrong with it."""
         raw = bytes(raw[:HEADER_BYTES])
         if len(raw) < HEADER_BYTES:

@@ -8,16 +8,16 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from rpmemfs.bench.isolate import ChildFailed, Timeout, run_isolated
-from rpmemfs.bench.machine import describe, fs_type
-from rpmemfs.bench.mount100k import measure_mount_time
-from rpmemfs.bench.mounts import MountError, detach_all_under, log_tail, mounts_under
-from rpmemfs.bench.options import MOUNT100K, Options
-from rpmemfs.bench.progress import note
-from rpmemfs.bench.results import Outcome, RunResult, TargetStatus
-from rpmemfs.bench.stats import WorkloadResult, combine_rounds
-from rpmemfs.bench.targets import TARGETS, Target
-from rpmemfs.bench.workloads import WORKLOADS, Scale, Workload
+from rpmemfs.tools.bench.isolate import ChildFailed, Timeout, run_isolated
+from rpmemfs.tools.bench.machine import describe, fs_type
+from rpmemfs.tools.bench.mount100k import measure_mount_time
+from rpmemfs.tools.bench.mounts import MountError, detach_all_under, log_tail, mounts_under
+from rpmemfs.tools.bench.options import MOUNT100K, Options
+from rpmemfs.tools.bench.progress import note
+from rpmemfs.tools.bench.results import Outcome, RunResult, TargetStatus
+from rpmemfs.tools.bench.stats import WorkloadResult, combine_rounds
+from rpmemfs.tools.bench.targets import TARGETS, Target
+from rpmemfs.tools.bench.workloads import WORKLOADS, Scale, Workload
 
 
 def run(opts: Options) -> RunResult:

@@ -8,7 +8,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from rpmemfs.bench.mounts import unescape_mount_field
+from rpmemfs.tools.bench.mounts import unescape_mount_field
 
 
 def cpu_model() -> str:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.processes import TargetProcess
 
 FILES_PER_WRITER = 4
 FILE_SPAN = 1 << 20

@@ -29,8 +29,8 @@ import logging
 import struct
 from collections.abc import Callable, Iterable, Sequence
 
-from rpmemfs.fs.layout import BLOCK, MAP_SLOTS, Header
 from rpmemfs.native import crc32c
+from rpmemfs.pool.layout import BLOCK, MAP_SLOTS, Header
 
 log = logging.getLogger(__name__)
 

@@ -12,17 +12,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from rpmemfs.bench.isolate import Timeout
-from rpmemfs.bench.mounts import (
+from rpmemfs.tools.bench.isolate import Timeout
+from rpmemfs.tools.bench.mounts import (
     MountError,
     child_env,
     lazy_unmount,
     log_tail,
     wait_until_unmounted,
 )
-from rpmemfs.bench.progress import note
-from rpmemfs.bench.stats import Metric, WorkloadResult
-from rpmemfs.bench.targets import mkfs, rpmemfs_command, rpmemfs_daemon
+from rpmemfs.tools.bench.progress import note
+from rpmemfs.tools.bench.stats import Metric, WorkloadResult
+from rpmemfs.tools.bench.targets import mkfs, rpmemfs_command, rpmemfs_daemon
 
 FILES_PER_DIR = 100
 FILL_WORKERS = 3

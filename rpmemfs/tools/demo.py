@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
-from rpmemfs.replica.provision import create_pool
+from rpmemfs.mountd.provision import create_pool
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.target.spawn import SpawnError, TargetProcess
+from rpmemfs.tools.processes import SpawnError, TargetProcess
 from rpmemfs.units import parse_size
 
 

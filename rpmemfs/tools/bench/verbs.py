@@ -1,6 +1,6 @@
 """Barriers over real verbs (Soft-RoCE in the VM), beside perftest on the same rxe pair.
 
-`scripts/bench-verbs.sh` (which boots the VM) or, inside it, `python -m rpmemfs.bench.verbs`.
+`scripts/bench-verbs.sh` (which boots the VM) or, inside it, `python -m rpmemfs.tools.bench.verbs`.
 Needs two RDMA devices with addresses in RXE_IP_A (initiator) and RXE_IP_B (targets).
 
 The floor comes from perftest on the same pair, in the same run: `ib_write_lat -s 4096`,
@@ -37,9 +37,9 @@ from typing import Any
 
 import trio
 
-from rpmemfs.bench.stats import percentile
 from rpmemfs.native import ffi
-from rpmemfs.target.spawn import TargetProcess
+from rpmemfs.tools.bench.stats import percentile
+from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport.auth import read_token_file
 from rpmemfs.transport.base import LocalPool, RemoteRegion
 
@@ -159,7 +159,8 @@ def native_flush(dev: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rpmemfs.bench.verbs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rpmemfs.tools.bench.verbs",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     p.add_argument("--target-spin-us", type=int, default=None, metavar="US",

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
+
+T = TypeVar("T", int, float)
 
 Better = Literal["lower", "higher"]
 
@@ -25,7 +28,7 @@ class WorkloadResult:
     details: dict[str, float] = field(default_factory=dict)
 
 
-def percentile(sorted_samples: list[int], pct: float) -> int:
+def percentile(sorted_samples: Sequence[T], pct: float) -> T:
     """Nearest-rank percentile: always a sample that was actually observed."""
     if not sorted_samples:
         raise ValueError("no samples")

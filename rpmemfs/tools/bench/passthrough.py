@@ -5,7 +5,7 @@ settings), so the difference between the two is what rpmemfs itself does, not FU
 Python. Every request ends in a real syscall on the source tree; nothing is cached or
 skipped here that the kernel would not cache for rpmemfs as well.
 
-    python -m rpmemfs.bench.passthrough [--xattr] SRC MNT
+    python -m rpmemfs.tools.bench.passthrough [--xattr] SRC MNT
 
 Without --xattr it implements no xattr operations: the first ENOSYS makes the kernel
 stop asking, in particular for "security.capability" before every write(2). With
@@ -445,7 +445,7 @@ async def _terminate_on_signal() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rpmemfs.bench.passthrough",
+        prog="python -m rpmemfs.tools.bench.passthrough",
         description="Mount SRC at MNT through a minimal pass-through FUSE filesystem.",
     )
     parser.add_argument("source", metavar="SRC")

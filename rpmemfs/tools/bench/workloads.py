@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter_ns
 
-from rpmemfs.bench.stats import Metric, WorkloadResult, latency_result
+from rpmemfs.tools.bench.stats import Metric, WorkloadResult, latency_result
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -1,5 +1,0 @@
-import sys
-
-from rpmemfs.bench import main
-
-sys.exit(main())

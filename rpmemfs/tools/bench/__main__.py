@@ -1,0 +1,5 @@
+import sys
+
+from rpmemfs.tools.bench import main
+
+sys.exit(main())
