@@ -18,16 +18,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import (  # noqa: E402
-    Mount,
-    cli,
-    describe,
-    fusermount_detach,
-    mkfs,
-    mounts_under,
-)
+from helpers import Mount, cli, describe, mkfs  # noqa: E402
 
-from rpmemfs.tools.processes import TargetProcess  # noqa: E402
+from rpmemfs.tools.processes import TargetProcess, detach_all_under  # noqa: E402
 
 # A test that takes longer than this is hung (the slowest takes ~15 s). The watchdog records
 # what the daemons were doing, then SIGKILLs them: that aborts the FUSE connection, so a test
@@ -70,8 +63,7 @@ def work_dir() -> Iterator[Path]:
     """A fresh directory under /dev/shm, removed (after detaching any mounts) afterwards."""
     d = Path(tempfile.mkdtemp(prefix="rpmemfs-test-", dir="/dev/shm"))
     yield d
-    for mp in mounts_under(d):
-        fusermount_detach(Path(mp))
+    detach_all_under(d)
     shutil.rmtree(d, ignore_errors=True)
 
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rpmemfs.mountinfo import is_mounted as is_mounted  # the tests ask helpers for it
+from rpmemfs.tools.processes import MountProcess, SpawnError, detach
+
 REPO = Path(__file__).resolve().parent.parent
 CLI: list[str] = [sys.executable, "-m", "rpmemfs.cli"]
 MOUNT_TIMEOUT = 30.0
@@ -105,35 +108,6 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 # ------------------------------------------------------------------ mount state
 
 
-def _unescape_mountinfo(s: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
-
-
-def is_mounted(path: str | os.PathLike[str]) -> bool:
-    """Whether PATH is a mount point per /proc/self/mountinfo (true for dead FUSE mounts too)."""
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and _unescape_mountinfo(fields[4]) == target:
-                return True
-    return False
-
-
-def mounts_under(root: str | os.PathLike[str]) -> list[str]:
-    """Mount points at or below ROOT, deepest first."""
-    base = os.path.realpath(root)
-    found: list[str] = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4:
-                mp = _unescape_mountinfo(fields[4])
-                if mp == base or mp.startswith(base + "/"):
-                    found.append(mp)
-    return sorted(found, key=len, reverse=True)
-
-
 def wait_until(pred: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -144,18 +118,15 @@ def wait_until(pred: Callable[[], bool], timeout: float = 15.0, interval: float 
         time.sleep(interval)
 
 
-def fusermount_detach(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["fusermount3", "-u", "-z", os.fspath(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        stdin=subprocess.DEVNULL,
-    )
+def internal_error_in(text: str) -> bool:
+    """Whether a daemon's output shows an internal error: a Python traceback, or the one line
+    the CLI prints in its place (the traceback itself only at --log-level debug)."""
+    return "Traceback" in text or "rpmemfs: internal error" in text
 
 
 class Mount:
-    """A real `rpmemfs mount POOL MNT -f` daemon process."""
+    """A real `rpmemfs mount POOL MNT -f` daemon process (processes.MountProcess), each start
+    logging to a file of its own in ``log_dir``, with the test suite's assertions."""
 
     def __init__(
         self, pool: Path, path: Path, log_dir: Path, options: str = "pmem=force"
@@ -164,7 +135,7 @@ class Mount:
         self.path = path
         self.log_dir = log_dir
         self.options = options
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.daemon: MountProcess | None = None
         self.log: Path | None = None
         self.logs: list[Path] = []
         self.starts = 0
@@ -172,14 +143,15 @@ class Mount:
 
     # -- process control -------------------------------------------------------
     def argv(self) -> list[str]:
-        argv = [*CLI, "mount", os.fspath(self.pool), os.fspath(self.path), "-f"]
-        if self.options:
-            argv += ["-o", self.options]
-        return argv
+        return MountProcess.rpmemfs(self.pool, self.path, self.options).argv
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.daemon.proc if self.daemon is not None else None
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.daemon is not None and self.daemon.running
 
     def output(self) -> str:
         """Everything the current/last daemon wrote to stdout/stderr."""
@@ -188,96 +160,72 @@ class Mount:
         return self.log.read_text(errors="replace")
 
     def internal_errors(self) -> list[str]:
-        """Daemon runs (current and earlier) whose output shows a Python traceback."""
+        """Daemon runs (current and earlier) whose output shows an internal error."""
         bad = []
         for log in self.logs:
             text = log.read_text(errors="replace") if log.exists() else ""
-            if "Traceback" in text:
+            if internal_error_in(text):
                 bad.append(f"--- {log.name} ---\n{text[-6000:]}")
         return bad
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> MountProcess:
         assert not self.running, "daemon already running"
         assert not is_mounted(self.path), f"{self.path} is already a mount point"
         self.starts += 1
         self.log = self.log_dir / f"{self.path.name}-daemon{self.starts}.log"
         self.logs.append(self.log)
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-            )
-        return self.proc
+        self.daemon = MountProcess.rpmemfs(self.pool, self.path, self.options, log_path=self.log)
+        self.daemon.spawn()
+        return self.daemon
 
     def start(self) -> None:
-        proc = self._spawn()
-        deadline = time.monotonic() + MOUNT_TIMEOUT
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                raise AssertionError(
-                    f"mount daemon exited with {rc} before {self.path} was mounted\n"
-                    f"$ {' '.join(self.argv())}\n--- daemon output ---\n{self.output()}"
-                )
-            if is_mounted(self.path) and os.path.ismount(self.path):
-                return
-            if time.monotonic() > deadline:
-                out = self.output()
-                self.cleanup()
-                raise AssertionError(
-                    f"{self.path} not mounted {MOUNT_TIMEOUT:.0f} s after starting the daemon\n"
-                    f"--- daemon output ---\n{out}"
-                )
-            time.sleep(0.05)
+        daemon = self._spawn()
+        try:
+            daemon.wait_mounted(MOUNT_TIMEOUT)
+        except SpawnError as exc:
+            daemon.stop()
+            raise AssertionError(f"{exc}\n$ {' '.join(daemon.argv)}") from None
 
     def start_expect_failure(self) -> str:
         """Start the daemon on a pool that must be refused; return its output."""
-        proc = self._spawn()
-        try:
-            rc = proc.wait(timeout=MOUNT_TIMEOUT)
-        except subprocess.TimeoutExpired:
+        daemon = self._spawn()
+        rc = daemon.wait(MOUNT_TIMEOUT)
+        if rc is None:
             mounted = is_mounted(self.path)
             out = self.output()
             self.cleanup()
             raise AssertionError(
                 f"mount did not fail (still running after {MOUNT_TIMEOUT:.0f} s, "
                 f"mounted={mounted})\n--- daemon output ---\n{out}"
-            ) from None
+            )
         out = self.output()
         assert rc != 0, f"mount exited 0 on a pool it should refuse\n{out}"
         assert not is_mounted(self.path), f"failed mount left {self.path} mounted\n{out}"
-        assert "Traceback" not in out, f"traceback from mount\n{out}"
+        assert not internal_error_in(out), f"internal error from mount\n{out}"
         assert any(ln.startswith("rpmemfs:") for ln in out.splitlines()), (
             f"no 'rpmemfs: ...' line from the failed mount\n{out}"
         )
         return out
 
     def unmount(self, sig: int = signal.SIGTERM) -> None:
-        """Clean unmount: signal the daemon, expect exit 0, no mount left, no traceback."""
-        assert self.proc is not None and self.running, f"daemon not running\n{self.output()}"
-        self.proc.send_signal(sig)
+        """Clean unmount: signal the daemon, expect exit 0, no mount left, no internal error."""
+        assert self.daemon is not None and self.running, f"daemon not running\n{self.output()}"
         try:
-            rc = self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            out = self.output()
-            self.cleanup()
-            raise AssertionError(f"daemon did not exit 60 s after signal {sig}\n{out}") from None
+            rc = self.daemon.unmount(sig, timeout=60)
+        except SpawnError as exc:
+            raise AssertionError(str(exc)) from None
         out = self.output()
         assert rc == 0, f"daemon exited with {rc} after signal {sig}\n{out}"
         assert not is_mounted(self.path), f"{self.path} still mounted after daemon exit\n{out}"
-        assert "Traceback" not in out, f"traceback in daemon output\n{out}"
+        assert not internal_error_in(out), f"internal error in daemon output\n{out}"
 
     def kill_daemon(self) -> None:
         """SIGKILL the daemon (the dead FUSE mount stays attached until detach())."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        assert self.daemon is not None
+        self.daemon.kill()
 
     def detach(self) -> None:
-        if is_mounted(self.path):
-            res = fusermount_detach(self.path)
-            assert res.returncode == 0, f"fusermount3 -u -z failed: {res.stderr}"
-        assert not is_mounted(self.path)
+        assert detach(self.path), f"could not detach {self.path}"
 
     def kill9(self) -> None:
         self.kill_daemon()
@@ -290,21 +238,10 @@ class Mount:
 
     def cleanup(self) -> None:
         """Best effort, never raises: stop the daemon and detach the mount."""
-        try:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(timeout=15)
-        except Exception:
-            pass
-        try:
-            if is_mounted(self.path):
-                fusermount_detach(self.path)
-        except Exception:
-            pass
+        if self.daemon is not None:
+            self.daemon.stop()
+        else:
+            detach(self.path)
 
 
 # ------------------------------------------------------------------- tree tools

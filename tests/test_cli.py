@@ -21,10 +21,11 @@ from helpers import (
     cli,
     describe,
     fsync_path,
-    fusermount_detach,
     is_mounted,
     wait_until,
 )
+
+from rpmemfs.tools.processes import detach
 
 if TYPE_CHECKING:
     from conftest import MakePool, MountPool
@@ -235,7 +236,7 @@ def test_background_mount(make_pool: MakePool, work_dir: Path) -> None:
             cli("check", pool))
     finally:
         if is_mounted(mnt):
-            fusermount_detach(mnt)
+            detach(mnt)
     # the file is there when mounted again (foreground this time)
     proc = subprocess.Popen([*CLI, "mount", str(pool), str(mnt), "-f", "-o", "pmem=force"],
                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

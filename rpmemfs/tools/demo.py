@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from rpmemfs.mountd.provision import create_pool
+from rpmemfs.mountinfo import fs_type
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.tools.processes import SpawnError, TargetProcess
+from rpmemfs.tools.processes import MountProcess, SpawnError, TargetProcess
 from rpmemfs.units import parse_size
-
-
-def _on_tmpfs(path: str) -> bool:
-    best, fstype = "", ""
-    with open("/proc/mounts") as f:
-        for line in f:
-            _dev, mnt, typ = line.split()[:3]
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                best, fstype = mnt, typ
-    return fstype == "tmpfs"
 
 
 def run_demo(directory: str, size: str) -> int:
@@ -30,9 +20,10 @@ def run_demo(directory: str, size: str) -> int:
     pool = os.path.join(directory, "demo.pool")
     mnt = os.path.join(directory, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    mode = "force" if _on_tmpfs(directory) else "auto"
+    mode = "force" if fs_type(directory) == "tmpfs" else "auto"
     targets: list[TargetProcess] = []
-    daemon: subprocess.Popen[bytes] | None = None
+    # Its output stays on this terminal: the demo is watched there.
+    daemon = MountProcess.rpmemfs(pool, mnt, f"pmem={mode}")
     try:
         for i in (1, 2):
             tdir = os.path.join(directory, f"target{i}")
@@ -46,19 +37,14 @@ def run_demo(directory: str, size: str) -> int:
             try:
                 t.start()
             except SpawnError as e:
-                sys.stderr.write(f"rpmemfs: demo target {i} did not start: {e}\n")
-                return 1
+                raise SpawnError(f"demo target {i} did not start: {e}") from None
         if not os.path.exists(pool):
             specs = [ReplicaSpec.parse(f"{t.address}/demo") for t in targets]
             create_pool(pool, parse_size(size), specs)
-        cmd = [sys.executable, "-m", "rpmemfs.cli", "mount", pool, mnt, "-f", "-o", f"pmem={mode}"]
-        daemon = subprocess.Popen(cmd)
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(mnt):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                sys.stderr.write("rpmemfs: the demo mount did not come up\n")
-                return 1
-            time.sleep(0.05)
+        try:
+            daemon.start()
+        except SpawnError as e:
+            raise SpawnError(f"the demo mount did not come up: {e}") from None
         exe = os.path.join(os.path.dirname(sys.executable), "rpmemfs")
         print(f"""
 rpmemfs demo is running.
@@ -82,16 +68,13 @@ Afterwards `cmp {pool} {directory}/target1/demo` shows the replica is the same p
 
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGTERM, _stop)
-        while not stop and daemon.poll() is None:
+        while not stop and daemon.running:
             time.sleep(0.2)
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(60)
-        print("demo stopped; pool unmounted cleanly" if daemon.returncode == 0 else
-              f"mount daemon exited with {daemon.returncode}")
-        return 0 if daemon.returncode == 0 else 1
+        code = daemon.returncode if not daemon.running else daemon.unmount(timeout=60)
+        print("demo stopped; pool unmounted cleanly" if code == 0 else
+              f"mount daemon exited with {code}")
+        return 0 if code == 0 else 1
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.kill()
+        daemon.stop()
         for t in targets:
             t.close()

@@ -10,20 +10,20 @@ targets stopped); `rpmemfs verify` must be clean too.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+from argparse import Namespace, RawDescriptionHelpFormatter
 from pathlib import Path
 from typing import Any
 
-from rpmemfs.tools.processes import TargetProcess
+from rpmemfs.cliparse import ArgumentParser
+from rpmemfs.progress import Notes
+from rpmemfs.tools.processes import MountProcess, SpawnError, TargetProcess, run_rpmemfs
 
 FILES_PER_WRITER = 4
 FILE_SPAN = 1 << 20
@@ -55,53 +55,19 @@ while not os.path.exists(stop):
 """.replace("FILES", str(FILES_PER_WRITER)).replace("SPAN", str(FILE_SPAN))
 
 
-def _log(msg: str) -> None:
-    sys.stderr.write(f"[soak {time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
+_log = Notes("soak")
+MOUNT_TIMEOUT = 120.0
 
 
-def _rpmemfs(*args: str | os.PathLike[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([sys.executable, "-m", "rpmemfs.cli", *map(str, args)],
-                         capture_output=True, text=True, timeout=300)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"rpmemfs {' '.join(map(str, args))} failed: {res.stderr.strip()}")
-    return res
+def _mount(pool: Path, path: Path, options: str) -> MountProcess:
+    """``pool`` mounted at ``path`` in the foreground, its log beside it (path.log)."""
+    mount = MountProcess.rpmemfs(pool, path, options, log_path=path.with_suffix(".log"))
+    mount.start(MOUNT_TIMEOUT)
+    return mount
 
 
-class Mount:
-    """A foreground `rpmemfs mount` process and its mountpoint."""
-
-    def __init__(self, pool: Path, path: Path, options: str) -> None:
-        path.mkdir(exist_ok=True)
-        self.path = path
-        self.log = path.with_suffix(".log")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rpmemfs.cli", "mount", str(pool), str(path), "-f", "-o",
-             f"{options},log={self.log}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while not os.path.ismount(path):
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"mount of {pool} failed: {err.strip()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mount of {pool} did not come up")
-            time.sleep(0.05)
-
-    def status(self) -> dict[str, Any]:
-        return json.loads(_rpmemfs("status", self.path, "--json").stdout)  # type: ignore[no-any-return]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if os.path.ismount(self.path):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+def _status(mount: MountProcess) -> dict[str, Any]:
+    return json.loads(run_rpmemfs("status", mount.mountpoint, "--json").stdout)  # type: ignore[no-any-return]
 
 
 def _model(journals: list[Path]) -> tuple[dict[str, tuple[bytearray, bytearray]], int, int, int]:
@@ -151,12 +117,12 @@ def _check(root: Path, files: dict[str, tuple[bytearray, bytearray]], what: str)
     return checked, problems
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: Namespace) -> dict[str, Any]:
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rpmemfs-soak-", dir="/dev/shm"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     targets: list[TargetProcess] = []
-    mount: Mount | None = None
+    mount: MountProcess | None = None
     writers: list[subprocess.Popen[bytes]] = []
     report: dict[str, Any] = {"work_dir": str(work), "seconds": args.seconds, "writers": args.writers,
                               "faults": 0, "problems": []}
@@ -169,17 +135,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t.start()
             targets.append(t)
         pool = work / "soak.pool"
-        _rpmemfs("mkfs", pool, "--size", args.pool_size, "--force",
-                 *(a for t in targets for a in ("--replica", f"{t.address}/soak")))
-        mount = Mount(pool, work / "mnt", "pmem=force,min_replicas=1,replica_timeout=2")
+        run_rpmemfs("mkfs", pool, "--size", args.pool_size, "--force",
+                    *(a for t in targets for a in ("--replica", f"{t.address}/soak")))
+        mount = _mount(pool, work / "mnt", "pmem=force,min_replicas=1,replica_timeout=2")
         stop = work / "stop"
         stop.unlink(missing_ok=True)
         journals = [work / f"journal{w}" for w in range(args.writers)]
         for j in journals:
             j.unlink(missing_ok=True)
         for w, j in enumerate(journals):
-            writers.append(subprocess.Popen([sys.executable, "-c", _WRITER, str(mount.path), str(j), str(w),
-                                             str(stop)]))
+            writers.append(subprocess.Popen([sys.executable, "-c", _WRITER, str(mount.mountpoint), str(j),
+                                             str(w), str(stop)]))
         _log(f"{args.writers} writers, two targets ({', '.join(t.address for t in targets)}), "
              f"{args.seconds} s, a fault every ~{args.kill_every} s")
         t_end = time.monotonic() + args.seconds
@@ -187,25 +153,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         last_progress = time.monotonic()
         while time.monotonic() < t_end:
             if any(p.poll() is not None for p in writers):
-                raise RuntimeError("a writer died: " + ", ".join(str(p.returncode) for p in writers))
+                raise SpawnError("a writer died: " + ", ".join(str(p.returncode) for p in writers))
             now = time.monotonic()
-            if now >= next_fault and all(r["state"] == "in-sync" for r in mount.status()["replicas"]):
+            if now >= next_fault and all(r["state"] == "in-sync" for r in _status(mount)["replicas"]):
                 # One target down at a time: the policy (min_replicas=1) then always holds.
                 i = rng.randrange(2)
                 victim = targets[i]
                 victim.kill()
                 report["faults"] += 1
                 time.sleep(rng.uniform(0.2, 2.0))
-                again = TargetProcess(victim.argv[victim.argv.index("--pool-dir") + 1], listen=victim.address,
-                                      pmem="force", persist="apm" if i == 0 else None,
-                                      log_path=work / f"target{i}-{report['faults']}.log")
+                again = victim.respawn(log_path=work / f"target{i}-{report['faults']}.log")
                 again.start()
                 victim.close()
                 targets[i] = again
                 next_fault = time.monotonic() + rng.expovariate(1 / args.kill_every)
             if now - last_progress > 5:
                 last_progress = now
-                states = [r["state"] for r in mount.status()["replicas"]]
+                states = [r["state"] for r in _status(mount)["replicas"]]
                 ops = sum(len(j.read_text().splitlines()) for j in journals if j.exists())
                 _log(f"{ops} writes acknowledged, {report['faults']} faults, replicas {states}")
             time.sleep(0.05)
@@ -215,39 +179,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Both replicas in sync before the end: a fault just before it needs its resync.
         deadline = time.monotonic() + 90
         while True:
-            st = mount.status()["replicas"]
+            st = _status(mount)["replicas"]
             if all(r["state"] == "in-sync" for r in st) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         report["replica_states"] = [r["state"] for r in st]
         report["resyncs"] = sum(r.get("resyncs", 0) for r in st)
-        mount.stop()
+        mount.stop(MOUNT_TIMEOUT)
         mount = None
         files, ops, nbytes, failed = _model(journals)
         report.update(operations=ops, bytes_written=nbytes, failed_fsyncs=failed)
         if failed:
             report["problems"].append(f"{failed} fsyncs failed although one replica was always up")
-        verify = _rpmemfs("verify", pool, check=False)
+        verify = run_rpmemfs("verify", pool, check=False)
         if verify.returncode != 0:
             report["problems"].append("rpmemfs verify found differences:\n" + verify.stdout[-2000:])
         checked = 0
-        again_mount = Mount(pool, work / "local", "pmem=force,replica_timeout=5")
+        again_mount = _mount(pool, work / "local", "pmem=force,replica_timeout=5")
         try:
-            n, problems = _check(again_mount.path, files, "local pool")
+            n, problems = _check(again_mount.mountpoint, files, "local pool")
         finally:
-            again_mount.stop()
+            again_mount.stop(MOUNT_TIMEOUT)
         checked += n
         report["problems"] += problems
         for t in targets:
             t.stop()
         for i, t in enumerate(targets):
             copy = work / f"replica{i}.pool"
-            shutil.copy(Path(t.argv[t.argv.index("--pool-dir") + 1]) / "soak", copy)
-            alone = Mount(copy, work / f"alone{i}", "pmem=force,min_replicas=0,replica_timeout=1")
+            shutil.copy(t.pool_dir / "soak", copy)
+            alone = _mount(copy, work / f"alone{i}", "pmem=force,min_replicas=0,replica_timeout=1")
             try:
-                n, problems = _check(alone.path, files, f"replica {i}")
+                n, problems = _check(alone.mountpoint, files, f"replica {i}")
             finally:
-                alone.stop()
+                alone.stop(MOUNT_TIMEOUT)
             checked += n
             report["problems"] += problems
         report["bytes_checked"] = checked
@@ -256,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if p.poll() is None:
                 p.kill()
         if mount is not None:
-            mount.stop()
+            mount.stop(MOUNT_TIMEOUT)
         for t in targets:
             t.close()
     report["result"] = "PASS" if not report["problems"] and report.get("bytes_checked") else "FAIL"
@@ -264,8 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rpmemfs soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="rpmemfs soak", description=__doc__,
+                       formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--dir", help="work directory (default: a new one under /dev/shm)")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--writers", type=int, default=3)

@@ -10,7 +10,12 @@ import signal
 import sys
 from types import FrameType
 
-__all__ = ["main"]
+from rpmemfs.progress import Notes
+
+__all__ = ["main", "note"]
+
+# Progress lines on stderr, so stdout carries only the report.
+note = Notes("bench")
 
 
 def _exit_on_sigterm() -> None:

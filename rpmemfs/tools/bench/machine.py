@@ -6,9 +6,6 @@ import os
 import platform
 import sys
 from importlib import metadata
-from pathlib import Path
-
-from rpmemfs.tools.bench.mounts import unescape_mount_field
 
 
 def cpu_model() -> str:
@@ -20,21 +17,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def fs_type(path: Path) -> str:
-    """Type of the filesystem holding *path* (longest matching mount point)."""
-    target = os.path.realpath(path)
-    best, best_type = "", "unknown"
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            point = unescape_mount_field(fields[4])
-            fstype = fields[fields.index("-") + 1]
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            if inside and len(point) >= len(best):
-                best, best_type = point, fstype
-    return best_type
 
 
 def _version(package: str) -> str:

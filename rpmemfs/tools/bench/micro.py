@@ -18,7 +18,6 @@ Rounds interleave the two methods so drifting load on a shared machine hits both
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,12 +30,13 @@ from pathlib import Path
 
 import trio
 
+from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import Header
 from rpmemfs.replica import ReplicaSet, ReplicaSpec, create_remote, metadata_ranges
+from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.machine import describe, one_line
-from rpmemfs.tools.bench.progress import note
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport.base import Lane, RemoteRegion
@@ -270,7 +270,7 @@ def render(result: MicroResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="rpmemfs bench --micro",
         description="Barrier latency to one replica, per persistence method, below FUSE.")
     p.add_argument("--dir", type=Path, default=Path("/dev/shm"), metavar="DIR",

@@ -12,17 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.isolate import Timeout
-from rpmemfs.tools.bench.mounts import (
-    MountError,
-    child_env,
-    lazy_unmount,
-    log_tail,
-    wait_until_unmounted,
-)
-from rpmemfs.tools.bench.progress import note
 from rpmemfs.tools.bench.stats import Metric, WorkloadResult
-from rpmemfs.tools.bench.targets import mkfs, rpmemfs_command, rpmemfs_daemon
+from rpmemfs.tools.bench.targets import mkfs, rpmemfs_daemon
+from rpmemfs.tools.processes import SpawnError, child_env, log_tail, rpmemfs_command, unmount
 
 FILES_PER_DIR = 100
 FILL_WORKERS = 3
@@ -85,13 +79,6 @@ def _wait_for_stat(path: Path, deadline: float) -> None:
         time.sleep(0.001)
 
 
-def _unmount_background(mountpoint: Path) -> None:
-    subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if not wait_until_unmounted(mountpoint, 30.0):
-        lazy_unmount(mountpoint)
-
-
 def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
                        timeout: float) -> WorkloadResult:
     pool = workdir / "mount100k.pool"
@@ -103,7 +90,7 @@ def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
         try:
             create_seconds = _fill(mountpoint, n_files, 60.0 + n_files * FILL_SECONDS_PER_FILE)
         except (OSError, Timeout) as exc:
-            raise MountError(f"creating the files failed: {exc}" + log_tail(fill_log)) from None
+            raise SpawnError(f"creating the files failed: {exc}" + log_tail(fill_log)) from None
     note(f"mount100k: {n_files:,} files in {create_seconds:.1f} s; unmounted, now timing mount")
 
     probe = mountpoint / _dir_name(0) / _file_name(0)
@@ -112,7 +99,7 @@ def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
         start = time.perf_counter()
         # Background mode: the command itself returns once the mount is up.
         proc = subprocess.Popen(
-            rpmemfs_command("mount", str(pool), str(mountpoint), "-o", "pmem=force"),
+            rpmemfs_command("mount", pool, mountpoint, "-o", "pmem=force"),
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
             env=child_env(),
         )
@@ -121,18 +108,18 @@ def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
             status = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise MountError(f"rpmemfs mount did not return within {timeout:.0f} s") from None
+            raise SpawnError(f"rpmemfs mount did not return within {timeout:.0f} s") from None
         returned = time.perf_counter()
         if status != 0:
             output = log.read_text(errors="replace").strip()
-            raise MountError(f"rpmemfs mount exited with status {status}:\n  {output}")
+            raise SpawnError(f"rpmemfs mount exited with status {status}:\n  {output}")
         try:
             _wait_for_stat(probe, returned + timeout)
         except OSError as exc:
-            raise MountError(f"mounted, but stat failed: {exc}" + log_tail(log)) from None
+            raise SpawnError(f"mounted, but stat failed: {exc}" + log_tail(log)) from None
         answered = time.perf_counter()
     finally:
-        _unmount_background(mountpoint)
+        unmount(mountpoint)
 
     note(f"mount100k: mounted and answering after {answered - start:.2f} s")
     return WorkloadResult(

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.tools.bench.targets import DEFAULT_TARGETS, REPLICA_TARGETS, TARGET_NAMES
 from rpmemfs.tools.bench.workloads import WORKLOADS
 
@@ -35,7 +36,7 @@ class Options:
 
 def _parser() -> argparse.ArgumentParser:
     names = ", ".join([*WORKLOADS, MOUNT100K])
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="rpmemfs bench",
         description="Compare rpmemfs with a pass-through FUSE filesystem and a plain "
                     "directory on the same backing store, each FUSE filesystem with and "

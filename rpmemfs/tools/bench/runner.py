@@ -8,16 +8,17 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from rpmemfs.mountinfo import fs_type, mounts_under
+from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.isolate import ChildFailed, Timeout, run_isolated
-from rpmemfs.tools.bench.machine import describe, fs_type
+from rpmemfs.tools.bench.machine import describe
 from rpmemfs.tools.bench.mount100k import measure_mount_time
-from rpmemfs.tools.bench.mounts import MountError, detach_all_under, log_tail, mounts_under
 from rpmemfs.tools.bench.options import MOUNT100K, Options
-from rpmemfs.tools.bench.progress import note
 from rpmemfs.tools.bench.results import Outcome, RunResult, TargetStatus
 from rpmemfs.tools.bench.stats import WorkloadResult, combine_rounds
 from rpmemfs.tools.bench.targets import TARGETS, Target
 from rpmemfs.tools.bench.workloads import WORKLOADS, Scale, Workload
+from rpmemfs.tools.processes import SpawnError, detach_all_under, log_tail
 
 
 def run(opts: Options) -> RunResult:
@@ -97,7 +98,7 @@ def _bring_up(stack: ExitStack, workdir: Path, names: tuple[str, ...], pool_size
         note(f"bringing up {name}")
         try:
             targets[name] = stack.enter_context(TARGETS[name](workdir, pool_size))
-        except (MountError, OSError) as exc:
+        except (SpawnError, OSError) as exc:
             result.targets[name] = TargetStatus(False, str(exc))
             note(f"{name} is unavailable, going on without it:\n  {exc}")
         else:
@@ -145,7 +146,7 @@ def _mount_time(opts: Options, workdir: Path) -> Outcome:
     try:
         return Outcome(result=measure_mount_time(workdir, opts.pool_size, opts.mount_files,
                                                  opts.timeout))
-    except (MountError, Timeout, ChildFailed, OSError) as exc:
+    except (SpawnError, Timeout, ChildFailed, OSError) as exc:
         note(f"{MOUNT100K} failed: {exc}")
         return Outcome(error=str(exc))
 

@@ -13,21 +13,19 @@ fair comparison pairs filesystems that either both offer xattrs or both do not.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from rpmemfs.tools.bench.mounts import (
-    MountError,
-    child_env,
+from rpmemfs.tools.processes import (
+    MountProcess,
+    SpawnError,
+    TargetProcess,
     python_module,
-    stop_daemon,
-    wait_until_mounted,
+    run_rpmemfs,
 )
-from rpmemfs.tools.processes import SpawnError, TargetProcess
 
 RPMEMFS = "rpmemfs"
 RPMEMFS_NOXATTR = "rpmemfs-noxattr"
@@ -98,41 +96,24 @@ class Target:
 TargetFactory = Callable[[Path, str], AbstractContextManager[Target]]
 
 
-def rpmemfs_command(*args: str) -> list[str]:
-    return python_module("rpmemfs.cli", *args)
-
-
 def mkfs(pool: Path, size: str, replicas: tuple[str, ...] = ()) -> None:
-    extra = [arg for spec in replicas for arg in ("--replica", spec)]
-    done = subprocess.run(rpmemfs_command("mkfs", str(pool), "--size", size, *extra),
-                          capture_output=True, env=child_env(), check=False)
-    if done.returncode != 0:
-        output = (done.stderr or done.stdout).decode(errors="replace").strip()
-        shown = " ".join([str(pool), "--size", size, *extra])
-        raise MountError(f"rpmemfs mkfs {shown} failed "
-                         f"(status {done.returncode}):\n  {output}")
+    run_rpmemfs("mkfs", pool, "--size", size, *(arg for spec in replicas for arg in ("--replica", spec)))
 
 
 @contextmanager
-def _daemon(argv: list[str], mountpoint: Path, log: Path, what: str) -> Iterator[Path]:
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=subprocess.STDOUT, env=child_env())
+def _daemon(daemon: MountProcess) -> Iterator[Path]:
+    """The daemon's filesystem, mounted until the block ends (also when it fails)."""
+    daemon.start(MOUNT_TIMEOUT)
     try:
-        wait_until_mounted(mountpoint, proc, MOUNT_TIMEOUT, what, log)
-        yield mountpoint
+        yield daemon.mountpoint
     finally:
-        stop_daemon(proc, mountpoint)
+        daemon.stop()
 
 
-@contextmanager
 def rpmemfs_daemon(pool: Path, mountpoint: Path, log: Path,
-                   options: str = RPMEMFS_OPTIONS[RPMEMFS]) -> Iterator[Path]:
+                   options: str = RPMEMFS_OPTIONS[RPMEMFS]) -> AbstractContextManager[Path]:
     """rpmemfs mounted in the foreground (-f), so we own the daemon's lifetime."""
-    argv = rpmemfs_command("mount", str(pool), str(mountpoint), "-f", "-o", options)
-    with _daemon(argv, mountpoint, log, f"rpmemfs mount -o {options}") as mnt:
-        yield mnt
+    return _daemon(MountProcess.rpmemfs(pool, mountpoint, options, log_path=log))
 
 
 @contextmanager
@@ -168,7 +149,7 @@ def replicated_target(name: str, workdir: Path, pool_size: str) -> Iterator[Targ
             try:
                 address = daemon.start()
             except SpawnError as exc:
-                raise MountError(f"{name}: target daemon {i} did not start: {exc}") from None
+                raise SpawnError(f"{name}: target daemon {i} did not start: {exc}") from None
             specs.append(f"{address}/{name}-r{i}")
         mkfs(pool, pool_size, tuple(specs))
         with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log,
@@ -184,8 +165,8 @@ def passthrough_target(name: str, workdir: Path, pool_size: str) -> Iterator[Tar
     mountpoint = workdir / f"mnt-{name}"
     log = workdir / f"{name}.log"
     extra = ["--xattr"] if name == PASSTHROUGH_XATTR else []
-    argv = python_module("rpmemfs.tools.bench.passthrough", *extra, str(source), str(mountpoint))
-    with _daemon(argv, mountpoint, log, name) as mnt:
+    argv = python_module("rpmemfs.tools.bench.passthrough", *extra, source, mountpoint)
+    with _daemon(MountProcess(argv, mountpoint, log_path=log, what=name)) as mnt:
         yield Target(mnt, log)
 
 
