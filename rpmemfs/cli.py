@@ -1,38 +1,57 @@
-"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, bench, demo."""
+"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, target, bench,
+soak, demo.
+
+This is the CLI edge: argparse dispatches every command (global options such as --log-level
+work before or after it), and main() turns what a command raises into what a user sees, once:
+an error rpmemfs reports on purpose is one line on stderr and exit status 1, a usage error one
+line and status 2, anything else one "internal error" line (its traceback at --log-level debug).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from rpmemfs import logs
+from rpmemfs.cliparse import ArgumentParser
+from rpmemfs.errors import RpmemfsError
+from rpmemfs.progress import ProgressBar
 from rpmemfs.units import human, parse_size
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_LOG_LEVEL = "warning"
 
-class CliError(Exception):
-    pass
+# Until every layer's base error derives from RpmemfsError (issue 13, item 8), these are the
+# errors the commands reported on purpose before. Looked up in sys.modules: an exception of a
+# class can only exist if its module was imported, and the CLI imports no module for nothing.
+_LEGACY_USER_ERRORS = (
+    ("rpmemfs.fs.mkfs", "MkfsError"),
+    ("rpmemfs.mountd.daemon", "MountError"),
+    ("rpmemfs.mountd.provision", "ProvisionError"),
+    ("rpmemfs.pmem", "PmemError"),
+    ("rpmemfs.pool.layout", "PoolFormatError"),
+    ("rpmemfs.replica.repair", "RepairError"),
+    ("rpmemfs.replica.spec", "PoolSetError"),
+    ("rpmemfs.replica.table", "TableError"),
+    ("rpmemfs.transport.auth", "TokenError"),
+)
 
 
-def _progress(label: str):  # type: ignore[no-untyped-def]
-    """A progress callback drawing a bar on stderr when it is a terminal, else silent."""
-    if not sys.stderr.isatty():
-        return None
+class CliError(RpmemfsError):
+    """A command cannot do what it was asked; the message says why, for the user."""
 
-    def show(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] "
-                         f"{human(done)}/{human(total)}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
-    return show
+def _progress(label: str) -> Callable[[int, int], None] | None:
+    """A progress callback (done, total) drawing a bar on stderr when it is a terminal."""
+    bar = ProgressBar(label)
+    return bar.update if bar.shown else None
 
 
 def _token(path: str | None) -> bytes | None:
@@ -47,9 +66,8 @@ def _token(path: str | None) -> bytes | None:
 
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
-    from rpmemfs.fs.mkfs import MkfsError
     from rpmemfs.mountd.provision import ProvisionError, create_pool
-    from rpmemfs.replica.spec import PoolSetError, ReplicaSpec, poolset_at
+    from rpmemfs.replica.spec import ReplicaSpec, poolset_at
 
     pool, size_text, specs = args.pool, args.size, []
     try:
@@ -64,14 +82,12 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
             raise CliError("--size is required (or give a pool-set file)")
         else:
             size = parse_size(size_text)
-    except (ValueError, PoolSetError) as e:
+    except ValueError as e:  # a size or replica as written; PoolSetError too
         raise CliError(str(e)) from None
     token = _token(args.token_file)
     try:
         hdr = create_pool(pool, size, specs, token=token, token_file=args.token_file,
                           force=args.force, progress=_progress("mkfs"))
-    except MkfsError as e:
-        raise CliError(str(e)) from None
     except ProvisionError as e:
         raise CliError(f"pool {pool} is made, but not all replicas: {e}") from None
     print(f"created pool {pool}: {human(hdr.pool_size)}, uuid {hdr.uuid_str}, "
@@ -81,12 +97,9 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from rpmemfs.mountd.daemon import MountError, run
+    from rpmemfs.mountd.daemon import run
 
-    try:
-        return run(args.pool, args.mountpoint, args.o or [], args.foreground)
-    except MountError as e:
-        raise CliError(str(e)) from None
+    return run(args.pool, args.mountpoint, args.o or [], args.foreground)
 
 
 def _status(mountpoint: str) -> dict[str, Any]:
@@ -122,16 +135,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _mounted_from(pool: str) -> str | None:
     """The mountpoint where ``pool`` is mounted now, if it is."""
-    want = "rpmemfs:" + os.path.abspath(pool)
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 1 and fields[0].replace("\\040", " ") == want:
-                    return fields[1]
-    except OSError:
-        pass
-    return None
+    from rpmemfs.mountinfo import mounted_from
+
+    # The mount daemon names its mounts so (fsname=rpmemfs:POOL).
+    return mounted_from("rpmemfs:" + os.path.abspath(pool))
 
 
 def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
@@ -150,13 +157,10 @@ def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
 
 def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
     """(pool file, replicas from a pool-set file or None) for a command on an unmounted pool."""
-    from rpmemfs.replica.spec import PoolSetError, poolset_at
+    from rpmemfs.replica.spec import poolset_at
 
     pool, specs = path, None
-    try:
-        ps = poolset_at(pool)
-    except PoolSetError as e:
-        raise CliError(str(e)) from None
+    ps = poolset_at(pool)
     if ps is not None:
         pool, specs = ps.path, ps.replicas
     if not os.path.isfile(pool):
@@ -169,8 +173,6 @@ def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
 
 
 def _chunk(text: str) -> int:
-    from rpmemfs.units import parse_size
-
     try:
         chunk = parse_size(text)
     except ValueError as e:
@@ -185,14 +187,11 @@ def _replicated_pool(path: str, token_file: str | None, what: str, writable: boo
                      ) -> Iterator[tuple[str, Any, list[Any], bytes | None]]:
     """(pool file, its mapping, its replicas, the token) of an unmounted pool, for verify and
     sync; the mapping is closed afterwards."""
-    from rpmemfs.pmem import PmemError, PoolMapping
+    from rpmemfs.pmem import PoolMapping
     from rpmemfs.replica.table import inspect_table
 
     pool, specs = _unmounted_pool(path, what)
-    try:
-        pm = PoolMapping.open(pool, "msync", readonly=not writable, exclusive=writable)
-    except PmemError as e:
-        raise CliError(str(e)) from None
+    pm = PoolMapping.open(pool, "msync", readonly=not writable, exclusive=writable)
     try:
         table = inspect_table(pm.buf)
         specs = specs if specs is not None else table.replicas
@@ -225,19 +224,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_sync(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.repair import RepairError, format_sync, sync_pool
-    from rpmemfs.replica.verify import Progress, content_size
+    from rpmemfs.replica.repair import format_sync, sync_pool
+    from rpmemfs.replica.verify import content_size
 
     if os.path.isdir(args.pool) and os.path.ismount(args.pool):
         result = _ask_mount(args.pool, "sync", "sync")
     else:
         opened = _replicated_pool(args.pool, args.token_file, "sync", writable=True)
         with opened as (pool, pm, specs, token):
-            bar = Progress(content_size(pm.buf) * len(specs), "sync")
+            bar = ProgressBar("sync", content_size(pm.buf) * len(specs))
             try:
                 result = trio.run(sync_pool, pool, pm, specs, token, bar).as_dict()
-            except RepairError as e:
-                raise CliError(str(e)) from None
             finally:
                 bar.close()
     print(json.dumps(result, indent=2) if args.json else format_sync(result))
@@ -247,7 +244,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 def cmd_recover(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.repair import RepairError, recover_pool
+    from rpmemfs.replica.repair import recover_pool
     from rpmemfs.replica.spec import ReplicaSpec
 
     if _mounted_from(args.pool):
@@ -257,11 +254,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     token = _token(args.token_file)
-    try:
-        result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
-                                               progress=_progress("recover")))
-    except RepairError as e:
-        raise CliError(str(e)) from None
+    result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
+                                           progress=_progress("recover")))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -272,14 +266,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from rpmemfs.fs.check import check, format_report
-    from rpmemfs.pmem import PmemError, PoolMapping
+    from rpmemfs.pmem import PoolMapping
 
     if not os.path.isfile(args.pool):
         raise CliError(f"pool {args.pool} does not exist or is not a file")
-    try:
-        pm = PoolMapping.open(args.pool, "msync", readonly=True)
-    except PmemError as e:
-        raise CliError(str(e)) from None
+    pm = PoolMapping.open(args.pool, "msync", readonly=True)
     try:
         report = check(pm.buf, args.pool)
     finally:
@@ -294,114 +285,165 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args.rest)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from rpmemfs.tools import soak
+
+    return soak.main(args.rest)
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    from rpmemfs.target.cli import build_parser
+    from rpmemfs.target.cli import main as target_main
+
+    rest = list(args.rest)
+    if args.log_level is not None:  # given before `target`: the daemon sets up its own logging
+        rest += ["--log-level", args.log_level]
+    # The daemon's own parser prints its whole usage before an error; a copy of it built from
+    # this module's class checks the options first, so a mistake is one line here too.
+    own = build_parser()
+    ArgumentParser(prog=own.prog, description=own.description, add_help=False,
+                   parents=[own]).parse_args(rest)
+    return target_main(rest)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rpmemfs.tools.demo import run_demo
 
     return run_demo(args.dir, args.size)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rpmemfs", description=__doc__)
-    p.add_argument("--log-level", default="warning", help="debug, info, warning (default), error")
-    sub = p.add_subparsers(dest="cmd", required=True)
+class _Command(ArgumentParser):
+    """A command's parser. With ``own_options`` the command parses its options itself
+    (target, bench, soak): this parser takes the global options wherever they stand and
+    hands everything else on, in order, as ``rest``."""
 
-    s = sub.add_parser("mkfs", help="make a pool file")
+    def __init__(self, *args: Any, own_options: bool = False, **kwargs: Any) -> None:
+        if own_options:
+            # Its --help is the command's; "--log" must not pass for --log-level.
+            kwargs.update(add_help=False, allow_abbrev=False)
+        super().__init__(*args, **kwargs)
+        self.own_options = own_options
+
+    # Any: as general as argparse's overloads of it, which a subparser is called through.
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None
+                         ) -> tuple[Any, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        if self.own_options:
+            parsed.rest, rest = rest, []
+        return parsed, rest
+
+
+def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
+    # After the command they must not reset what was given before it: no default there.
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                   default=None if top else argparse.SUPPRESS,
+                   help=f"{', '.join(LOG_LEVELS)} (default {DEFAULT_LOG_LEVEL}); "
+                        "before or after the command")
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="rpmemfs", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _global_options(p, top=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           parser_class=_Command)
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str,
+                own_options: bool = False) -> argparse.ArgumentParser:
+        s: argparse.ArgumentParser = sub.add_parser(name, help=help, own_options=own_options)
+        _global_options(s, top=False)
+        s.set_defaults(func=func)
+        return s
+
+    s = command("mkfs", cmd_mkfs, "make a pool file")
     s.add_argument("pool")
     s.add_argument("--size", help="pool size, e.g. 64M, 4G (a pool-set file gives its own)")
     s.add_argument("--force", action="store_true", help="overwrite an existing file")
     s.add_argument("--replica", action="append", metavar="HOST:PORT/NAME",
                    help="make a replica pool NAME on the target daemon at HOST:PORT")
     s.add_argument("--token-file", help="shared token for the target daemons")
-    s.set_defaults(func=cmd_mkfs)
 
-    s = sub.add_parser("mount", help="mount a pool")
+    s = command("mount", cmd_mount, "mount a pool")
     s.add_argument("pool")
     s.add_argument("mountpoint")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
                    help="pmem=auto|force|msync, log=FILE, debug, allow_other")
-    s.set_defaults(func=cmd_mount)
 
-    s = sub.add_parser("status", help="show a mount's state")
+    s = command("status", cmd_status, "show a mount's state")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_status)
 
-    s = sub.add_parser("check", help="offline consistency check of a pool")
+    s = command("check", cmd_check, "offline consistency check of a pool")
     s.add_argument("pool")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("verify", help="compare a pool with its replicas by chunk checksums")
+    s = command("verify", cmd_verify, "compare a pool with its replicas by chunk checksums")
     s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
     s.add_argument("--chunk", default="1M", help="checksum chunk size (default 1M)")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_verify)
 
-    s = sub.add_parser("sync", help="verify-and-repair: send each replica the chunks that differ")
+    s = command("sync", cmd_sync, "verify-and-repair: send each replica the chunks that differ")
     s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_sync)
 
-    s = sub.add_parser("recover", help="rebuild a lost or damaged local pool from a replica")
+    s = command("recover", cmd_recover, "rebuild a lost or damaged local pool from a replica")
     s.add_argument("pool", help="the pool file to write")
     s.add_argument("--from", dest="source", required=True, metavar="HOST:PORT/NAME")
     s.add_argument("--token-file", help="token for the target")
     s.add_argument("--force", action="store_true", help="replace an existing file")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_recover)
 
-    s = sub.add_parser("bench", help="benchmarks vs pass-through FUSE filesystems and the plain dir",
-                       add_help=False)
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(func=cmd_bench)
+    command("target", cmd_target, "the replica-node daemon (see `rpmemfs target --help`)",
+            own_options=True)
+    command("bench", cmd_bench, "benchmarks vs pass-through FUSE filesystems and the plain dir "
+            "(see `rpmemfs bench --help`)", own_options=True)
+    command("soak", cmd_soak, "writers against two replicas while targets are killed; then "
+            "every acknowledged write is checked (see `rpmemfs soak --help`)", own_options=True)
 
-    s = sub.add_parser("soak", help="writers against two replicas while targets are killed; "
-                       "then every acknowledged write is checked (see `rpmemfs soak --help`)", add_help=False)
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-
-    s = sub.add_parser("target", help="the replica-node daemon (see `rpmemfs target --help`)",
-                       add_help=False)
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-
-    s = sub.add_parser("demo", help="a demo mount in DIR; Ctrl-C stops it")
+    s = command("demo", cmd_demo, "a demo mount in DIR; Ctrl-C stops it")
     s.add_argument("dir")
     s.add_argument("--size", default="256M")
-    s.set_defaults(func=cmd_demo)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["target"]:
-        # The replica-node daemon parses its own options.
-        from rpmemfs.target import main as target_main
+def _user_errors() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = [RpmemfsError, OSError]
+    for module, name in _LEGACY_USER_ERRORS:
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    # The native helper's refusal to load (rpmemfs/native.py), for now.
+    found.append(RuntimeError)
+    return tuple(found)
 
-        return target_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        # The benchmark has its own options; argparse's REMAINDER would refuse "--quick".
-        from rpmemfs.tools import bench
 
-        return bench.main(argv[1:])
-    if argv[:1] == ["soak"]:
-        # Writers, faults and a final check of every acknowledged write; its own options.
-        from rpmemfs.tools import soak
+def _report(exc: BaseException) -> int:
+    """What a command raised, as the user sees it; the exit status."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # trio wraps what a task raised
+    if isinstance(exc, _user_errors()):
+        sys.stderr.write(f"rpmemfs: {exc}\n")
+        return 1
+    if logging.getLogger("rpmemfs").isEnabledFor(logging.DEBUG):
+        traceback.print_exception(exc)
+        where = ""
+    else:
+        where = " (--log-level debug shows where)"
+    sys.stderr.write(f"rpmemfs: internal error: {type(exc).__name__}: {exc}{where}\n")
+    return 1
 
-        return soak.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    logs.setup(args.log_level)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logs.setup(args.log_level or DEFAULT_LOG_LEVEL)
     try:
         return int(args.func(args))
-    except CliError as e:
-        sys.stderr.write(f"rpmemfs: {e}\n")
-        return 1
-    except RuntimeError as e:  # the native helper's refusal, among others
-        sys.stderr.write(f"rpmemfs: {e}\n")
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return _report(exc)
 
 
 if __name__ == "__main__":
