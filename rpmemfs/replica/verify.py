@@ -9,7 +9,6 @@ legitimately differ until then.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import trio
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import PoolFormatError
+from rpmemfs.progress import ProgressBar
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
@@ -135,35 +135,11 @@ async def verify_replica(
     return report
 
 
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, what: str) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.what = what
-        self._tty = sys.stderr.isatty()
-        self._last = 0.0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self._tty and (now - self._last > 0.2 or self.done >= self.total):
-            self._last = now
-            pct = 100 * self.done / self.total
-            bar = "#" * int(pct / 5)
-            print(f"\r{self.what} [{bar:<20}] {pct:5.1f}%", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._tty:
-            print(file=sys.stderr)
-
-
 async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: bytes | None,
                  chunk: int = DEFAULT_CHUNK) -> VerifyReport:
     """Every replica compared with the local pool, in parallel."""
     report = VerifyReport(pool, len(buf), chunk)
-    progress = Progress(content_size(buf) * len(specs), "verify")
+    progress = ProgressBar("verify", content_size(buf) * len(specs))
     t0 = time.monotonic()
     results: dict[int, ReplicaReport] = {}
 
