@@ -1,4 +1,4 @@
-"""The `rpmemfs` command line: mkfs, mount, status, check."""
+"""The `rpmemfs` command line: mkfs, mount, status, check; global options, dispatch and errors."""
 
 from __future__ import annotations
 
@@ -361,3 +361,161 @@ def test_polling_budget_refused(make_pool: MakePool, work_dir: Path, value: str)
 def test_status_not_a_mount(work_dir: Path) -> None:
     res = cli("status", work_dir)
     assert_clean_error(res)
+
+
+# ------------------------------------------------------- options, dispatch, errors
+
+DEBUG = ("--log-level", "debug")
+
+
+def _placed(where: str, command: list[str], option: tuple[str, ...] = DEBUG) -> list[str]:
+    """``command`` with a global option before the command, right after its name, or last."""
+    if where == "before":
+        return [*option, *command]
+    if where == "after":
+        return [command[0], *option, *command[1:]]
+    return [*command, *option]
+
+
+@pytest.mark.parametrize("where", ["before", "after", "last"])
+def test_global_option_before_or_after_the_command(make_pool: MakePool, work_dir: Path,
+                                                   where: str) -> None:
+    pool = make_pool("8M")
+    res = cli(*_placed(where, ["check", str(pool)]))
+    assert res.returncode == 0 and "clean" in res.stdout, describe(res)
+    res = cli(*_placed(where, ["mkfs", str(work_dir / "new.img"), "--size", "8M"]))
+    assert res.returncode == 0, describe(res)
+    assert_check_clean(work_dir / "new.img")
+    # An error of the command itself, not a usage error: the option was taken as global.
+    assert_clean_error(cli(*_placed(where, ["status", str(work_dir)])), r"not a mount point",
+                       one_line=True)
+
+
+@pytest.mark.parametrize("command", ["soak", "bench", "target"])
+@pytest.mark.parametrize("where", ["none", "before", "after"])
+def test_commands_with_their_own_options_show_their_help(command: str, where: str) -> None:
+    argv = [command, "--help"] if where == "none" else _placed(where, [command, "--help"])
+    res = cli(*argv)
+    assert res.returncode == 0, describe(res)
+    assert res.stdout.startswith(f"usage: rpmemfs {command}"), describe(res)
+    assert "Traceback" not in res.stderr, describe(res)
+
+
+@pytest.mark.parametrize("where", ["before", "after", "last"])
+def test_commands_with_their_own_options_get_them_in_order(where: str) -> None:
+    """The global option is taken out wherever it stands, the rest reaches the command as
+    given: each command below then refuses a value of its own option, in one line."""
+    soak = cli(*_placed(where, ["soak", "--seconds", "0", "--writers", "1"]))
+    assert_clean_error(soak, r"must be positive", one_line=True)
+    assert soak.returncode == 2
+    bench = cli(*_placed(where, ["bench", "--quick", "--only", "nosuch"]))
+    assert_clean_error(bench, r"unknown workload.*nosuch", one_line=True)
+    target = cli(*_placed(where, ["target", "--listen", "127.0.0.1:0", "--pool-dir", "/nonexistent"]))
+    assert_clean_error(target, r"/nonexistent does not exist", one_line=True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nosuch"],
+        ["--bogus", "status", "/"],
+        ["--log-level", "loud", "status", "/"],
+        ["status", "/", "--log-level", "loud"],
+        ["mkfs"],
+        ["mkfs", "p.img", "--size", "8M", "--bogus"],
+        ["mount", "p.img"],
+        ["status"],
+        ["status", "/", "--bogus"],
+        ["check", "--bogus"],
+        ["verify"],
+        ["sync", "a", "b"],
+        ["recover", "p.img"],
+        ["demo"],
+        ["target", "--bogus"],
+        ["target", "--listen", "127.0.0.1:0"],
+        ["bench", "--bogus"],
+        ["bench", "--rounds", "0"],
+        ["bench", "--micro", "--bogus"],
+        ["soak", "--bogus"],
+        ["soak", "--writers", "many"],
+    ],
+    ids=lambda argv: " ".join(argv) or "nothing",
+)
+def test_a_usage_error_is_one_line(work_dir: Path, argv: list[str]) -> None:
+    res = cli(*argv)
+    assert_clean_error(res, one_line=True)
+    assert res.returncode == 2, describe(res)
+    assert "usage:" not in res.stderr, describe(res)
+
+
+@pytest.mark.parametrize(
+    "argv,pattern",
+    [
+        (["verify", "/nonexistent.pool", "--chunk", "3"], r"--chunk"),
+        (["verify", "/nonexistent.pool"], r"neither a pool file nor a mount point"),
+        (["recover", "/dev/shm/p.img", "--from", "nowhere"], r"nowhere|HOST:PORT|address"),
+        (["check", "/nonexistent.pool"], r"does not exist"),
+        (["mkfs", "/nonexistent/dir/p.img", "--size", "8M"], None),
+        (["demo", "/proc/rpmemfs-demo"], None),
+    ],
+)
+def test_a_command_error_is_one_line(argv: list[str], pattern: str | None) -> None:
+    res = cli(*argv)
+    assert_clean_error(res, pattern, one_line=True)
+    assert res.returncode == 1, describe(res)
+
+
+# What a command raises, seen at the CLI edge: `rpmemfs status` with its function replaced.
+_EDGE = """
+import sys
+import rpmemfs.cli as cli
+from rpmemfs.errors import RpmemfsError
+
+def boom(args):
+    raise {raise_}
+
+cli.cmd_status = boom
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _edge(raise_: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CLI[0], "-c", _EDGE.format(raise_=raise_), *argv, "status", "/"],
+        cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "raise_",
+    [
+        "RpmemfsError('the pool is on fire')",
+        "cli.CliError('the pool is on fire')",
+        "ExceptionGroup('from a task', [RpmemfsError('the pool is on fire')])",
+        "__import__('rpmemfs.pmem').pmem.PmemError('the pool is on fire')",
+        "FileNotFoundError(2, 'the pool is on fire')",
+    ],
+)
+def test_errors_reported_on_purpose_are_their_message(raise_: str) -> None:
+    res = _edge(raise_)
+    assert_clean_error(res, r"^rpmemfs: .*the pool is on fire$", one_line=True)
+    assert res.returncode == 1
+    assert "internal error" not in res.stderr, describe(res)
+
+
+def test_an_internal_error_is_one_line_with_the_traceback_at_debug() -> None:
+    res = _edge("ZeroDivisionError('a bug')")
+    assert_clean_error(res, r"internal error: ZeroDivisionError: a bug", one_line=True)
+    assert res.returncode == 1
+    for where in (["--log-level", "debug"], ["--log-level=debug"]):
+        res = _edge("ZeroDivisionError('a bug')", *where)
+        assert res.returncode == 1, describe(res)
+        assert "Traceback" in res.stderr and "in boom" in res.stderr, describe(res)
+        assert res.stderr.splitlines()[-1].startswith("rpmemfs: internal error: "), describe(res)
+
+
+def test_ctrl_c_is_status_130() -> None:
+    res = _edge("KeyboardInterrupt()")
+    assert res.returncode == 130, describe(res)
+    assert "Traceback" not in res.stderr, describe(res)
