@@ -175,7 +175,7 @@ def targets(work_dir: Path) -> Iterator[list[TargetProcess]]:
     for i, extra in enumerate((dict(pmem="force", persist="apm"), dict(pmem="msync"))):
         d = work_dir / f"target{i}"
         d.mkdir()
-        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)  # type: ignore[arg-type]
+        t = TargetProcess(d, listen="127.0.0.1:0", log_path=work_dir / f"target{i}.log", **extra)
         t.start()
         procs.append(t)
     yield procs
