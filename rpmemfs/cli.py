@@ -28,9 +28,9 @@ from rpmemfs.units import human, parse_size
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "warning"
 
-# Until every layer's base error derives from RpmemfsError (issue 13, item 8), these are the
-# errors the commands reported on purpose before. Looked up in sys.modules: an exception of a
-# class can only exist if its module was imported, and the CLI imports no module for nothing.
+# Until every layer's base error derives from RpmemfsError (issue 13, item 8), the layers'
+# errors that reach the CLI and are meant for the user. Looked up in sys.modules: an exception
+# of a class exists only if its module was imported, so nothing is imported for the lookup.
 _LEGACY_USER_ERRORS = (
     ("rpmemfs.fs.mkfs", "MkfsError"),
     ("rpmemfs.mountd.daemon", "MountError"),
@@ -296,7 +296,8 @@ def cmd_target(args: argparse.Namespace) -> int:
     from rpmemfs.target.cli import main as target_main
 
     rest = list(args.rest)
-    if args.log_level is not None:  # given before `target`: the daemon sets up its own logging
+    if args.log_level is not None:
+        # Taken out as a global option wherever it stood; the daemon sets up its own logging.
         rest += ["--log-level", args.log_level]
     # The daemon's own parser prints its whole usage before an error; a copy of it built from
     # this module's class checks the options first, so a mistake is one line here too.
