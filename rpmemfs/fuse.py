@@ -16,7 +16,7 @@ import os
 import stat
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -46,7 +46,7 @@ def errors(fn: F) -> F:
         try:
             return await fn(*args, **kwargs)
         except FsError as e:
-            raise pyfuse3.FUSEError(e.errno) from None
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except pyfuse3.FUSEError:
             raise
         except Exception:
@@ -192,7 +192,7 @@ class Operations(pyfuse3.Operations):
                      ) -> pyfuse3.EntryAttributes:
         return self.looked_up(self.fs.lookup(parent_inode, name))
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             try:
                 self.fs.forget(ino, n)
@@ -368,7 +368,11 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.ENOSYS)
         if name == STATUS_XATTR:
             raise FsError(errno.EPERM)
-        await self._retry(lambda: (self.fs.setxattr(inode, name, value), self.fs.node(inode))[1])
+        def set_it() -> Inode:
+            self.fs.setxattr(inode, name, value)
+            return self.fs.node(inode)
+
+        await self._retry(set_it)
 
     @errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

@@ -5,4 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh --test
 .venv/bin/ruff check rpmemfs tests native
+.venv/bin/mypy
+if [ $# -eq 0 ]; then
+    # The fast tier first (no FUSE, no root, no other process: seconds), then end to end.
+    .venv/bin/python -m pytest -q tests/unit
+    exec .venv/bin/python -m pytest -q --ignore=tests/unit
+fi
 exec .venv/bin/python -m pytest -q "$@"

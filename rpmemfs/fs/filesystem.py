@@ -16,6 +16,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
@@ -48,7 +49,7 @@ class NeedSync(Exception):
     """Space would be freed by a durability point; persist, then retry the call."""
 
 
-class Persister:
+class Persister(Protocol):
     """What the filesystem needs from the persistence layer (PoolMapping satisfies it)."""
 
     def persist(self, ranges: Ranges) -> None: ...
