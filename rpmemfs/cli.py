@@ -28,21 +28,6 @@ from rpmemfs.units import human, parse_size
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "warning"
 
-# Until every layer's base error derives from RpmemfsError (issue 13, item 8), the layers'
-# errors that reach the CLI and are meant for the user. Looked up in sys.modules: an exception
-# of a class exists only if its module was imported, so nothing is imported for the lookup.
-_LEGACY_USER_ERRORS = (
-    ("rpmemfs.fs.mkfs", "MkfsError"),
-    ("rpmemfs.mountd.daemon", "MountError"),
-    ("rpmemfs.mountd.provision", "ProvisionError"),
-    ("rpmemfs.pmem", "PmemError"),
-    ("rpmemfs.pool.layout", "PoolFormatError"),
-    ("rpmemfs.replica.repair", "RepairError"),
-    ("rpmemfs.replica.spec", "PoolSetError"),
-    ("rpmemfs.replica.table", "TableError"),
-    ("rpmemfs.transport.auth", "TokenError"),
-)
-
 
 class CliError(RpmemfsError):
     """A command cannot do what it was asked; the message says why, for the user."""
@@ -411,13 +396,9 @@ def build_parser() -> ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    found: list[type[BaseException]] = [RpmemfsError, OSError]
-    for module, name in _LEGACY_USER_ERRORS:
-        if module in sys.modules:
-            found.append(getattr(sys.modules[module], name))
-    # The native helper's refusal to load (rpmemfs/native.py), for now.
-    found.append(RuntimeError)
-    return tuple(found)
+    # Every layer's errors meant for the user derive from RpmemfsError; OSError is what the
+    # commands' own file handling raises, RuntimeError the native helper's refusal to load.
+    return (RpmemfsError, OSError, RuntimeError)
 
 
 def _report(exc: BaseException) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Self
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.native import BytesLike, ffi, lib
 
 log = logging.getLogger("rpmemfs.pmem")
@@ -34,7 +35,7 @@ _PAGE = mmap.PAGESIZE
 _RW = mmap.PROT_READ | mmap.PROT_WRITE
 
 
-class PmemError(Exception):
+class PmemError(RpmemfsError):
     """The pool file cannot be mapped or written as asked."""
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
 from rpmemfs.fs.inode import Inode
@@ -40,7 +41,7 @@ NT_MIN = 64 << 10
 INODE_COST = 160  # rough snapshot bytes per small file, for statfs' inode numbers
 
 
-class FsError(OSError):
+class FsError(RpmemfsError, OSError):
     def __init__(self, err: int, what: str = "") -> None:
         super().__init__(err, what or os.strerror(err))
 

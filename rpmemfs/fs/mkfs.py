@@ -9,6 +9,7 @@ import time
 import uuid as uuidlib
 from collections.abc import Callable
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs import records as R
 from rpmemfs.fs.replay import ROOT_INO
 from rpmemfs.pmem import PoolMapping
@@ -24,7 +25,7 @@ from rpmemfs.pool.layout import (
 from rpmemfs.pool.syncmap import format_map
 
 
-class MkfsError(Exception):
+class MkfsError(RpmemfsError):
     pass
 
 

@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from rpmemfs import logs
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
@@ -39,7 +40,7 @@ IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "no
            "nouser", "async", "defaults", "_netdev", "nofail", "atime", "noatime", "relatime"}
 
 
-class MountError(Exception):
+class MountError(RpmemfsError):
     pass
 
 

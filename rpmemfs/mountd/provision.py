@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import trio
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import Header
@@ -15,7 +16,7 @@ from rpmemfs.replica.table import write_table
 from rpmemfs.transport.base import DEFAULT_TIMEOUT
 
 
-class ProvisionError(Exception):
+class ProvisionError(RpmemfsError):
     pass
 
 

@@ -24,6 +24,7 @@ import struct
 import uuid as uuidlib
 from dataclasses import dataclass
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.native import crc32c
 
 MAGIC = b"RPMEMFS\x00"
@@ -55,7 +56,7 @@ AREA_HDR_BYTES = _AREA.size + _CRC.size
 AREA_RECORDS_OFF = 4096  # records start one block into the area so the header has its own lines
 
 
-class PoolFormatError(Exception):
+class PoolFormatError(RpmemfsError):
     """The pool is not usable as it stands; the message says why."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
@@ -34,7 +35,7 @@ from rpmemfs.transport.choose import transport_for
 READ_STEP = 4 << 20  # bytes per read while recovering
 
 
-class RepairError(Exception):
+class RepairError(RpmemfsError):
     """The repair could not be done; the message says why. The local pool is untouched, or,
     for recover, not created."""
 

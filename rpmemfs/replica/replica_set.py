@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.native import ffi
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError
@@ -55,7 +56,7 @@ class ReplicaUnusable(Exception):
     """A replica could not be connected or is not this pool's replica; the message says why."""
 
 
-class ReplicaError(Exception):
+class ReplicaError(RpmemfsError):
     """Fewer replicas than the policy requires acknowledged a barrier."""
 
     def __init__(self, message: str, failed: list[Replica]) -> None:

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.units import parse_size
@@ -100,7 +101,7 @@ class PoolSet:
     replicas: list[ReplicaSpec] = field(default_factory=list)
 
 
-class PoolSetError(ValueError):
+class PoolSetError(RpmemfsError, ValueError):
     """A pool-set file is malformed; the message names the file, the line and the problem."""
 
 

@@ -13,6 +13,7 @@ import os
 import secrets
 import stat
 
+from rpmemfs.errors import RpmemfsError
 from rpmemfs.transport.wire import NONCE_SIZE
 
 _TARGET_LABEL = b"rpmemfs wire v1 target proof\x00"
@@ -20,7 +21,7 @@ _INITIATOR_LABEL = b"rpmemfs wire v1 initiator proof\x00"
 MAX_TOKEN_FILE = 4096
 
 
-class TokenError(Exception):
+class TokenError(RpmemfsError):
     """The token file cannot be used; the message says why."""
 
 

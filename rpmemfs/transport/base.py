@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
+from rpmemfs.errors import RpmemfsError
+
 BytesLike = bytes | bytearray | memoryview
 # What a target declares (METHODS), plus "flush": a verbs-only barrier whose flush is a native
 # RDMA FLUSH (global visibility, ordered after the writes: apm's guarantee, without the READ),
@@ -23,7 +25,7 @@ METHODS: tuple[Method, ...] = ("apm", "gpspm")
 DEFAULT_TIMEOUT = 10.0
 
 
-class TransportError(Exception):
+class TransportError(RpmemfsError):
     """An operation with a target failed; ``peer`` and ``reason`` say where and why.
 
     ``lane_lost`` is True when the connection it happened on is gone (the target closed it
