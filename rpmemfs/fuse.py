@@ -14,19 +14,16 @@ import json
 import logging
 import os
 import stat
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
-import trio
 
+from rpmemfs.durability import Durability, DurabilityError
 from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
 from rpmemfs.fs.inode import Inode
 from rpmemfs.poller import RequestPoller
 from rpmemfs.pool.layout import BLOCK
-from rpmemfs.replica.replica_set import ReplicaError
 
 log = logging.getLogger("rpmemfs.fuse")
 
@@ -47,6 +44,9 @@ def errors(fn: F) -> F:
             return await fn(*args, **kwargs)
         except FsError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except DurabilityError:
+            # A durability point that could not complete: what a failing disk answers.
+            raise pyfuse3.FUSEError(errno.EIO) from None
         except pyfuse3.FUSEError:
             raise
         except Exception:
@@ -56,54 +56,21 @@ def errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class Stats:
-    """Counters `rpmemfs status` shows."""
-
-    def __init__(self) -> None:
-        self.fsyncs = 0
-        self.latencies: deque[int] = deque(maxlen=20000)
-        self.started = time.time()
-
-    def percentiles(self) -> dict[str, float]:
-        if not self.latencies:
-            return {"p50": 0.0, "p99": 0.0}
-        s = sorted(self.latencies)
-        return {"p50": s[len(s) // 2] / 1000, "p99": s[min(len(s) - 1, len(s) * 99 // 100)] / 1000}
-
-
-class _Outcome:
-    """How a replicated barrier ended, for the barriers posted after it."""
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.failed: Exception | None = None
-
-    @classmethod
-    def settled(cls) -> _Outcome:
-        o = cls()
-        o.done.set()
-        return o
-
-
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     supports_dot_lookup = True
 
-    def __init__(self, fs: Filesystem, describe: Callable[[], dict[str, Any]],
-                 xattrs: bool = True, poll_us: int = 0) -> None:
+    def __init__(self, fs: Filesystem, durability: Durability, describe: Callable[[], dict[str, Any]],
+                 xattrs: bool = True, poll_us: int = 0, writeback_cache: bool = False) -> None:
         super().__init__()
         self.fs = fs
+        self.durable = durability.point
+        self.enable_writeback_cache = writeback_cache
         self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
         # before every write (FUSE clears SB_NOSEC; libfuse 3.14 cannot request
         # HANDLE_KILLPRIV_V2), which saves one round trip per write.
         self.xattrs = xattrs
-        # Set by the replication layer: posts the barrier's ranges to the replicas; what it
-        # returns waits for their acknowledgements.
-        self.replicate: Callable[[list[tuple[int, int]]], Callable[[], Awaitable[None]]] | None = None
-        self.barrier_lock = trio.Lock()
-        self._last = _Outcome.settled()
-        self.stats = Stats()
         self.describe = describe
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._next_dh = 1
@@ -132,58 +99,6 @@ class Operations(pyfuse3.Operations):
     def looked_up(self, node: Inode) -> pyfuse3.EntryAttributes:
         node.lookups += 1
         return self.entry(node)
-
-    async def durable(self) -> None:
-        """A durability point, timed for status: local persist, then the replicas.
-
-        With replicas, the barrier lock covers only the local persist and the posting of the
-        barrier: the next fsync posts its own barrier behind this one while this one is in
-        flight (one ordered lane per replica keeps them in log order there). Each waits for
-        its own acknowledgements, then for every earlier barrier, and ends in log order.
-        """
-        t0 = time.perf_counter_ns()
-        if self.replicate is None:
-            self.fs.sync()
-        else:
-            await self._replicated_barrier()
-        self.stats.fsyncs += 1
-        self.stats.latencies.append(time.perf_counter_ns() - t0)
-
-    async def _replicated_barrier(self) -> None:
-        assert self.replicate is not None
-        outcome = _Outcome()
-        error: Exception | None = None
-        complete: Callable[[], Awaitable[None]] | None = None
-        async with self.barrier_lock:
-            b = self.fs.begin_barrier()
-            before, self._last = self._last, outcome
-            if b.ranges:
-                try:
-                    complete = self.replicate(b.ranges)
-                except Exception as e:
-                    error = e
-        try:
-            if complete is not None:
-                try:
-                    await complete()
-                except Exception as e:
-                    error = e
-            await before.done.wait()
-            if error is None and not b.ranges and before.failed:
-                # Nothing of its own: what this fsync covers went out with the barrier
-                # before, and that one failed.
-                error = before.failed
-            if error is not None:
-                # Local data is durable; replicas get these ranges with the next barrier, and
-                # blocks freed meanwhile stay unused until then.
-                self.fs.for_replicas[:0] = b.ranges
-                outcome.failed = error
-                unexpected = not isinstance(error, ReplicaError)
-                log.error("replication barrier failed: %s", error, exc_info=unexpected)
-                raise FsError(errno.EIO) from None
-            self.fs.end_barrier(b)
-        finally:
-            outcome.done.set()
 
     # ---------------------------------------------------------------- namespace
 

@@ -1,5 +1,5 @@
-"""A barrier's ranges are all a replica needs: applying them, in order, to a copy of the pool
-gives a pool that mounts with the same tree, through checkpoints and block reuse."""
+"""A durability point's ranges are all a replica needs: applying them, in order, to a copy of
+the pool gives a pool that mounts with the same tree, through checkpoints and block reuse."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import random
 import shutil
 from pathlib import Path
 
+import trio
+
+from rpmemfs.durability import Durability
 from rpmemfs.fs.check import check
 from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
 from rpmemfs.fs.mkfs import mkfs
@@ -50,6 +53,23 @@ def _replica_tree(replica: Path) -> dict[str, bytes | None]:
         return tree
 
 
+class _Recorder:
+    """Stands in for the replica set: what a point posts is applied to the replica file."""
+
+    def __init__(self, src: memoryview, replica: Path) -> None:
+        self.lock = trio.Lock()
+        self.replicas: list[object] = []
+        self.src = src
+        self.replica = replica
+
+    def post(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        _apply(self.src, self.replica, ranges)
+        return ranges
+
+    async def complete(self, flight: list[tuple[int, int]]) -> None:
+        return None
+
+
 def test_barrier_ranges_rebuild_a_mountable_replica(tmp_path: Path) -> None:
     local = tmp_path / "local.pool"
     replica = tmp_path / "replica.pool"
@@ -58,7 +78,7 @@ def test_barrier_ranges_rebuild_a_mountable_replica(tmp_path: Path) -> None:
     rng = random.Random(5)
     pm = PoolMapping.open(str(local), "force")
     fs = Filesystem.open(pm.buf, pm)
-    fs.replicated = True
+    durability = Durability(fs, pm, _Recorder(pm.buf, replica))  # type: ignore[arg-type]
     files: dict[str, int] = {}
     for round_ in range(150):
         if round_ in (20, 70, 71):
@@ -70,12 +90,10 @@ def test_barrier_ranges_rebuild_a_mountable_replica(tmp_path: Path) -> None:
                 pass  # the barrier below frees the blocks
             except FsError as e:
                 assert e.errno == errno.ENOSPC
-        b = fs.begin_barrier()
-        _apply(pm.buf, replica, b.ranges)
-        fs.end_barrier(b)
+        trio.run(durability.point)
         assert _replica_tree(replica) == _tree(fs), f"round {round_}"
     assert fs.log.checkpoints >= 3
-    del fs
+    del fs, durability
     pm.close()
 
 

@@ -1,10 +1,19 @@
-"""The filesystem on a mapped pool: namespace, file data, and when changes become durable.
+"""The filesystem on a mapped pool: namespace, file data, and what changed since the last
+durability point.
 
 Changes land in the mapping at once; the log records describing them are written lazily
 (attributes and block maps of an inode are batched until a durability point or a namespace
-change) and a durability point hands the persistence layer two lists of pool ranges: the data
-first, then the log. Ordering them that way means no durable record ever points at data that
-is not durable, so a crash never shows a file bytes that were never written to it.
+change). A durability point (rpmemfs.durability) takes them with take_changes(): the data
+ranges, then the log record that points at them, so that it can make the data durable first:
+no durable record ever points at data that is not durable, and a crash never shows a file
+bytes that were never written to it. This module never persists a change itself, except
+outside a point (a checkpoint), and it knows nothing of replicas.
+
+Why this module is long: every operation in it reads and changes the same state (the inode
+index, the batch of log entries not yet written, the allocator's pending frees) under one set
+of invariants (what is logged, what is dirty, when a block may be reused). Split in two, each
+half would reach into the other's state; the parts that stand alone (records, log, allocator,
+inodes, replay) are modules of their own already.
 """
 
 from __future__ import annotations
@@ -51,24 +60,27 @@ class NeedSync(Exception):
 
 
 class Persister(Protocol):
-    """What the filesystem needs from the persistence layer (PoolMapping satisfies it)."""
+    """Local persistence (PoolMapping satisfies it), for what the filesystem persists outside a
+    durability point: a repaired header, a checkpoint."""
 
     def persist(self, ranges: Ranges) -> None: ...
-    def persist_then_store(self, first: Ranges, offset: int, data: bytes) -> None: ...
 
 
-@dataclass
-class Barrier:
-    """One durability point, as the replication layer sees it."""
+@dataclass(slots=True)
+class Changes:
+    """What changed since the last durability point, handed over by take_changes()."""
 
-    ranges: Ranges  # pool ranges to place on each replica, in this order
+    persisted: Ranges  # persisted here outside a point (checkpoints), in order
+    stored: Ranges  # written with non-temporal stores: durable here already
+    data: Ranges  # written through the cache: to flush before the log record is stored
+    log: tuple[int, bytes] | None  # the staged log record (offset, bytes), to store last
     seq: int  # last log record covered
     tail: int  # log position after it
 
 
 class Filesystem:
     def __init__(self, buf: memoryview, hdr: Header, found: LogScan, index: Index,
-                 persister: Persister) -> None:
+                 persister: Persister, copy_nt: Callable[[int, memoryview], None] | None = None) -> None:
         self.buf = buf
         self.hdr = hdr
         self.persister = persister
@@ -82,23 +94,23 @@ class Filesystem:
                 self.alloc.mark_used(pb, n)
         self.dirty_inodes: dict[int, Inode] = {}
         self.dirty_data: Ranges = []
-        # Ranges written with non-temporal stores: durable locally already, listed for the
-        # layers (replication) that still have to carry them.
+        # Ranges written with non-temporal stores (``copy_nt``, given on pmem): durable
+        # locally already, listed for replicas, which still have to get them.
         self.nt_data: Ranges = []
-        self.copy_nt: Callable[[int, memoryview], None] | None = None
-        # Set when replicas follow this pool: ranges persisted locally outside a barrier
-        # (checkpoints) are kept, in order, for the next barrier to carry.
-        self.replicated = False
-        self.for_replicas: Ranges = []
+        self.copy_nt = copy_nt
+        # Ranges persisted outside a durability point (checkpoints), in order, for the same.
+        self.persisted: Ranges = []
         self.pending_bytes = 0  # log bytes the dirty inodes will need
-        self.fsyncs = 0
         self.meta_full = False
 
     # ---------------------------------------------------------------- opening
 
     @classmethod
     def open(cls, buf: memoryview, persister: Persister, repair: bool = True,
-             progress: Callable[[str], None] | None = None) -> Filesystem:
+             progress: Callable[[str], None] | None = None,
+             copy_nt: Callable[[int, memoryview], None] | None = None) -> Filesystem:
+        """Replay the pool's log. Orphans (files unlinked while open) are freed by a record
+        that the first durability point makes durable, on the replicas too."""
         if len(buf) < HEADER_BYTES + BACKUP_OFF:
             raise PoolFormatError(f"pool file is truncated: {len(buf)} bytes is too small for a pool")
         hdr, problems = read_header(buf)
@@ -121,13 +133,12 @@ class Filesystem:
                  len(found.records), entries, len(index.inodes), dt)
         if progress:
             progress(f"replayed {len(found.records)} records, {len(index.inodes)} inodes in {dt:.2f} s")
-        fs = cls(buf, hdr, found, index, persister)
+        fs = cls(buf, hdr, found, index, persister, copy_nt)
         fs.replay_stats = (len(found.records), entries, dt)
         orphans = index.orphans()
         if orphans:
             freed = [e for ino in orphans for e in fs._free_if_unused(fs.inodes[ino])]
             fs._commit(freed, freeing=orphans)
-            fs.sync()
             log.info("reclaimed %d orphan inodes", len(orphans))
         return fs
 
@@ -223,30 +234,17 @@ class Filesystem:
 
     # ---------------------------------------------------------------- durability
 
-    def begin_barrier(self) -> Barrier:
-        """Make every change so far durable locally; say what replicas still need.
-
-        Local durability happens here, synchronously: data, fence, then the log records.
-        The returned ranges are in the order a replica must place them (what earlier
-        local-only writes left for it, then data, then the log), and the barrier is
-        complete, for freeing blocks, only when end_barrier() is called with it.
-        """
+    def take_changes(self) -> Changes:
+        """Hand every change so far to a durability point (rpmemfs.durability), which makes
+        them durable and then calls mark_durable()."""
         data = self._take_dirty()
         seq = self.log.next_seq - 1
         tail = self.log.tail
         staged = self.log.take_staged()
-        if staged:
-            self.persister.persist_then_store(data, staged[0], staged[1])
-        elif data:
-            self.persister.persist(data)
-        ranges: Ranges = []
-        if self.replicated:
-            ranges = self.for_replicas + _coalesce(self.nt_data) + data
-            if staged:
-                ranges.append((staged[0], len(staged[1])))
-            self.for_replicas = []
+        persisted, self.persisted = self.persisted, []
+        stored = _coalesce(self.nt_data)
         self.nt_data = []
-        return Barrier(ranges, seq, tail)
+        return Changes(persisted, stored, data, staged, seq, tail)
 
     def _take_dirty(self) -> Ranges:
         """Log every dirty inode and hand over the changed data ranges, coalesced."""
@@ -255,38 +253,33 @@ class Filesystem:
         self.dirty_data = []
         return data
 
-    def end_barrier(self, barrier: Barrier) -> None:
-        """Everything the barrier covers is durable wherever the policy requires."""
-        self.log.mark_durable(barrier.tail, barrier.seq)
-        self.alloc.durable(barrier.seq)
+    def mark_durable(self, seq: int, tail: int) -> None:
+        """Everything up to log record ``seq`` is durable wherever the policy requires: its log
+        space may be reused, and blocks freed by it become reusable."""
+        self.log.mark_durable(tail, seq)
+        self.alloc.durable(seq)
 
-    def sync(self) -> None:
-        """A local durability point (no replicas to wait for)."""
-        self.end_barrier(self.begin_barrier())
-
-    def persist_outside_barrier(self, ranges: Ranges) -> None:
-        """Persist pool ranges written outside a barrier (checkpoints, the replica table);
-        replicas get them, in order, with the next barrier."""
+    def _persist(self, ranges: Ranges) -> None:
+        """Persist pool ranges written outside a durability point; the next point carries
+        them to replicas, in order."""
         self.persister.persist(ranges)
-        if self.replicated:
-            self.for_replicas.extend(ranges)
+        self.persisted.extend(ranges)
 
     def checkpoint(self) -> None:
         """Snapshot the whole index into the other log area and switch to it."""
         data = self._take_dirty()
         if data:
-            self.persist_outside_barrier(data)
+            self._persist(data)
         try:
-            self.log.checkpoint(self._snapshot_payloads(), self.persist_outside_barrier)
+            self.log.checkpoint(self._snapshot_payloads(), self._persist)
         except LogFull:
             self.meta_full = True
             log.warning("metadata snapshot does not fit a log area; refusing new inodes")
             return
-        # Nothing in the snapshot refers to blocks freed before it, logged or not. With
-        # replicas they wait for the barrier that carries the snapshot to them.
+        # Nothing in the snapshot refers to blocks freed before it, logged or not; they
+        # become reusable with the next durability point, which carries the snapshot to any
+        # replica.
         self.alloc.logged(self.log.durable_seq)
-        if not self.replicated:
-            self.alloc.durable(self.log.durable_seq)
         self.meta_full = self.log.snap_bytes > SNAPSHOT_LIMIT * self.log.capacity
         log.info("checkpoint %d: %d bytes of snapshot", self.log.gen, self.log.snap_bytes)
 

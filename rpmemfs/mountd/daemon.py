@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from rpmemfs import logs
+from rpmemfs.durability import Durability, StaleTable
 from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
@@ -26,9 +27,9 @@ from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
 from rpmemfs.pool.header import write_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch
 from rpmemfs.pool.syncmap import SyncMap
-from rpmemfs.replica import ReplicaError, ReplicaSet
+from rpmemfs.replica import ReplicaSet
 from rpmemfs.replica.spec import PoolSetError, poolset_at
-from rpmemfs.replica.table import inspect_table, write_table
+from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
 from rpmemfs.transport.auth import TokenError, read_token_file
 from rpmemfs.transport.base import TransportError
@@ -135,7 +136,8 @@ class Mounted:
             raise MountError(str(e)) from None
         failure = ""
         try:
-            self.fs = Filesystem.open(self.mapping.buf, self.mapping)
+            self.fs = Filesystem.open(self.mapping.buf, self.mapping,
+                                      copy_nt=self.mapping.write_nt if self.mapping.is_pmem else None)
         except PoolFormatError as e:
             failure = str(e)
         if failure:
@@ -145,8 +147,6 @@ class Mounted:
             except BufferError:
                 pass  # a view survived; the process is about to exit and unmap anyway
             raise MountError(f"cannot mount {pool}: {failure}")
-        if self.mapping.is_pmem:
-            self.fs.copy_nt = self.mapping.write_nt
         table = inspect_table(self.mapping.buf)
         if table.problem:
             log.warning("replica table: %s", table.problem)
@@ -174,10 +174,16 @@ class Mounted:
         self.syncmap.start(self.fs.hdr, len(self.specs))
         self.clean = False  # set when the last barrier reached every in-sync replica
         self.replicas: ReplicaSet | None = None
+        # Local until the replicas are connected (serve() makes the one that serves them).
+        self.durability = Durability(self.fs, self.mapping)
+        self._ops: Operations | None = None
         self._mounted = False
         self.open_seconds = time.perf_counter() - t0
-        self.ops = Operations(self.fs, self.describe, xattrs=mo.xattrs, poll_us=mo.poll_us)
-        self.ops.enable_writeback_cache = mo.writeback_cache
+
+    @property
+    def ops(self) -> Operations:
+        assert self._ops is not None, "the FUSE operations exist once serve() connected the replicas"
+        return self._ops
 
     def describe(self) -> dict[str, Any]:
         fs = self.fs
@@ -193,8 +199,8 @@ class Mounted:
             "inodes": len(fs.inodes),
             "pmem_mode": self.mapping.kind,
             "pmem_requested": self.mapping.requested,
-            "fsync_count": self.ops.stats.fsyncs,
-            "fsync_latency_us": self.ops.stats.percentiles(),
+            "fsync_count": self.durability.stats.fsyncs,
+            "fsync_latency_us": self.durability.stats.percentiles(),
             "poll_us": self.ops.poller.budget_us,
             "poll_passes": self.ops.poller.polls,
             "poll_yielded": self.ops.poller.yielded,
@@ -246,7 +252,7 @@ class Mounted:
             raise MountError(f"token file {self.token_file}: {e}") from None
         rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
                                    timeout=self.mo.replica_timeout, min_replicas=self.min_replicas,
-                                   syncmap=self.syncmap, lock=self.ops.barrier_lock,
+                                   syncmap=self.syncmap,
                                    epoch=(self.prev_epoch, self.fs.hdr.epoch))
         usable = len(rs.in_sync)
         if usable < self.min_replicas:
@@ -262,44 +268,11 @@ class Mounted:
             if r["state"] != "in-sync":
                 log.error("replica %s/%s left out for now: %s", r["address"], r["name"], r["last_error"])
         self.replicas = rs
-        rs.on_change = self._note_stale
-        self.fs.replicated = True
-        self.ops.replicate = self._replicate
-        # The new epoch reaches the replicas with the first barrier.
-        self.fs.for_replicas.extend(self.header_ranges)
-        self._note_stale()
-
-    def _replicate(self, ranges: list[tuple[int, int]]) -> Callable[[], Awaitable[None]]:
-        """Post a barrier; what it returns waits for it."""
-        rs = self.replicas
-        assert rs is not None
-        try:
-            flight = rs.post(ranges)
-        except ReplicaError:
-            self._note_stale()
-            raise
-
-        async def complete() -> None:
-            try:
-                await rs.complete(flight)
-            finally:
-                # Before the fsync returns: a replica left behind must be known as such even
-                # if this daemon dies right after.
-                self._note_stale()
-
-        return complete
-
-    def _note_stale(self) -> None:
-        """Record in the pool's replica table which replicas are out of sync now."""
-        assert self.replicas is not None
-        behind = {str(r.spec) for r in self.replicas.replicas if r.state != "in-sync"}
-        if behind == self.stale:
-            return
-        if behind - self.stale:
-            log.error("replicas now out of sync: %s", ", ".join(sorted(behind - self.stale)))
-        self.stale = behind
-        ranges = write_table(self.mapping.buf, self.specs, self.table_token_file, sorted(self.stale))
-        self.fs.persist_outside_barrier(ranges)
+        table = StaleTable(self.mapping.buf, self.specs, self.table_token_file, self.stale)
+        # The new epoch reaches the replicas with the first durability point.
+        self.durability = Durability(self.fs, self.mapping, rs, table, carry=self.header_ranges)
+        rs.on_change = self.durability.note_replicas
+        self.durability.note_replicas()
 
     def control_handlers(self) -> dict[str, control.Handler]:
         async def status(args: list[str], send: control.Send) -> dict[str, Any]:
@@ -342,7 +315,7 @@ class Mounted:
 
         async def work(count: Callable[[int], None]) -> dict[str, Any]:
             report = VerifyReport(self.pool, len(self.mapping.buf), chunk)
-            report.replicas = await rs.verify(chunk, self.ops.durable, count)
+            report.replicas = await rs.verify(chunk, self.durability.point, count)
             report.seconds = time.monotonic() - t0
             return report.as_dict()
 
@@ -365,7 +338,7 @@ class Mounted:
                         entry.update(await rs.repair(r, count))
                     except (TransportError, trio.TooSlowError) as exc:
                         entry["error"] = f"repair failed, the replica is stale now: {exc}"
-                        self._note_stale()
+                        self.durability.note_replicas()
                 else:
                     self.syncmap.set_full(r.slot)
                     entry["error"] = (f"not in sync ({r.state}: {r.last_error}); it is compared in "
@@ -378,6 +351,8 @@ class Mounted:
 
     async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
         await self.connect_replicas()
+        self._ops = Operations(self.fs, self.durability, self.describe, xattrs=self.mo.xattrs,
+                               poll_us=self.mo.poll_us, writeback_cache=self.mo.writeback_cache)
         self.start()
         ready()
         async with trio.open_nursery() as nursery:
@@ -393,10 +368,10 @@ class Mounted:
     async def _last_barrier(self) -> None:
         """Unmounted: make everything durable everywhere, with a checkpoint if the log is long."""
         try:
-            await self.ops.durable()
+            await self.durability.point()
             if self.fs.log.used > self.fs.log.capacity // 4:
                 self.fs.checkpoint()
-                await self.ops.durable()
+                await self.durability.point()
             # Every in-sync replica has all of the pool, the others' misses are in the map.
             self.clean = True
         except Exception as e:
@@ -416,7 +391,7 @@ class Mounted:
             self._populated.set()  # stop the populate thread before the mapping goes away
             self._populator.join()
         try:
-            self.fs.sync()  # local only: replicas were served by _last_barrier, if at all
+            self.durability.sync_local()  # replicas were served by _last_barrier, if at all
             if self.clean or not self.specs:
                 self.syncmap.finish()
         finally:

@@ -104,12 +104,8 @@ KNOWN_CYCLES = [
     ["rpmemfs.target.control", "rpmemfs.target.verbs_server"],
     ["rpmemfs.transport.choose", "rpmemfs.transport.rdma", "rpmemfs.transport.verbs"],
 ]
-KNOWN_WRONG_WAY = {
-    # the FUSE edge still holds the pipelining of replicated barriers (issue 13, item 1)
-    "rpmemfs.fuse": ["rpmemfs.fuse imports rpmemfs.replica",
-                     "rpmemfs.fuse imports rpmemfs.replica.replica_set"],
-}
-KNOWN_LONG = {"rpmemfs.fs.filesystem", "rpmemfs.transport.verbs", "rpmemfs.replica.replica_set"}
+KNOWN_WRONG_WAY: dict[str, list[str]] = {}
+KNOWN_LONG = {"rpmemfs.transport.verbs", "rpmemfs.replica.replica_set"}
 
 
 def test_no_import_cycles() -> None:

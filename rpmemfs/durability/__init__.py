@@ -1,0 +1,14 @@
+"""Durability: every durability point of a mounted pool, from start to end.
+
+A point (fsync, fdatasync, fsyncdir, a full pool waiting for freed blocks, unmount) takes the
+filesystem's changes, makes them durable locally (data, fence, then the log record that points
+at it) and, when the pool has replicas, posts them to every in-sync replica and waits for the
+acknowledgements the policy requires. Points are pipelined and end in log order; the ranges of
+a point that failed are sent again with the next one. `barrier.py` holds all of it.
+"""
+
+from rpmemfs.durability.barrier import Changes, ChangeSource, Durability, DurabilityError, Persister
+from rpmemfs.durability.stale_table import StaleTable
+from rpmemfs.durability.stats import Stats
+
+__all__ = ["ChangeSource", "Changes", "Durability", "DurabilityError", "Persister", "StaleTable", "Stats"]

@@ -1,0 +1,189 @@
+"""A durability point from start to end: begin, persist locally, post to the replicas,
+complete, end; pipelined, in log order, with what failed sent again.
+
+1. **Begin.** Under the barrier lock, the filesystem hands over what changed since the last
+   point (:meth:`ChangeSource.take_changes`): data written through the cache, data written with
+   non-temporal stores, ranges it persisted outside a point (checkpoints), and the log record
+   that describes it all.
+2. **Persist locally.** The data is flushed and fenced, and only then is the log record
+   stored and persisted (:meth:`Persister.persist_then_store`): no durable record ever points
+   at data that is not durable.
+3. **Post.** The ranges go to every in-sync replica at once (`ReplicaSet.post`), in the order
+   a replica must place them: what earlier points left for it (ranges persisted outside a
+   point, and the ranges of a point that failed), then data, then the log. The lock is
+   released here; the next point may post behind this one while it is in flight (one ordered
+   lane per replica keeps them in log order on the replica).
+4. **Complete.** The point waits for its own acknowledgements (`ReplicaSet.complete`); fewer
+   than ``min_replicas`` is a failure. A replica that fell behind is written into the pool's
+   replica table before the point returns.
+5. **End.** After every earlier point has ended, the filesystem is told its changes are
+   durable (:meth:`ChangeSource.mark_durable`): the log may reuse its space and the blocks
+   freed by those changes become reusable. A failed point ends nothing: its ranges are carried
+   to the next point, and the caller gets :class:`DurabilityError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+import trio
+
+from rpmemfs.durability.stale_table import StaleTable
+from rpmemfs.durability.stats import Stats
+from rpmemfs.errors import RpmemfsError
+from rpmemfs.replica.replica_set import InFlight, ReplicaError, ReplicaSet
+
+log = logging.getLogger("rpmemfs.durability")
+
+Ranges = list[tuple[int, int]]
+
+
+class DurabilityError(RpmemfsError):
+    """A durability point did not complete everywhere the policy requires; the local pool
+    has the changes, the replicas get them with the next point."""
+
+
+class Changes(Protocol):
+    """What changed since the last durability point (the filesystem's `Changes`)."""
+
+    persisted: Ranges  # persisted outside a point (checkpoints), in order: replicas need them
+    stored: Ranges  # written with non-temporal stores: durable here already
+    data: Ranges  # written through the cache: flushed before the log record is stored
+    log: tuple[int, bytes] | None  # the staged log record: its offset and bytes
+    seq: int  # the last log record covered
+    tail: int  # the log position after it
+
+
+class ChangeSource(Protocol):
+    def take_changes(self) -> Changes: ...
+    def mark_durable(self, seq: int, tail: int) -> None: ...
+
+
+class Persister(Protocol):
+    """Local persistence (`rpmemfs.pmem.PoolMapping`)."""
+
+    def persist(self, ranges: Iterable[tuple[int, int]]) -> None: ...
+    def persist_then_store(self, first: Iterable[tuple[int, int]], offset: int, data: bytes) -> None: ...
+
+
+class _Outcome:
+    """How a replicated point ended, for the points posted after it."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.failed: Exception | None = None
+
+    @classmethod
+    def settled(cls) -> _Outcome:
+        o = cls()
+        o.done.set()
+        return o
+
+
+class Durability:
+    """The durability points of one mounted pool.
+
+    Without ``replicas`` a point is local and synchronous. With them, ``stale_table`` records
+    which replicas fell behind, and ``carry`` holds ranges already persisted here that the
+    replicas must still get with the first point (a new epoch in the header, for example).
+    """
+
+    def __init__(self, source: ChangeSource, persister: Persister, replicas: ReplicaSet | None = None,
+                 stale_table: StaleTable | None = None, carry: Iterable[tuple[int, int]] = ()) -> None:
+        self._source = source
+        self._persister = persister
+        self._replicas = replicas
+        self._table = stale_table
+        # Persisted here outside a point, in order; the next point carries them to replicas.
+        self._carry: Ranges = list(carry)
+        self._last = _Outcome.settled()
+        self.stats = Stats()
+
+    async def point(self) -> None:
+        """A durability point: DurabilityError when the policy's replicas did not all get it."""
+        t0 = time.perf_counter_ns()
+        if self._replicas is None:
+            self.sync_local()
+        else:
+            await self._replicated_point(self._replicas)
+        self.stats.add(time.perf_counter_ns() - t0)
+
+    def sync_local(self) -> None:
+        """A point that waits for no replica (there are none, or the mount is closing and
+        they were served already)."""
+        c = self._persist_locally()
+        self._source.mark_durable(c.seq, c.tail)
+
+    def persist_outside(self, ranges: Ranges) -> None:
+        """Persist ranges written outside a point; replicas get them with the next one."""
+        self._persister.persist(ranges)
+        if self._replicas is not None:
+            self._carry.extend(ranges)
+
+    def note_replicas(self) -> None:
+        """Record in the pool's replica table which replicas are out of sync now."""
+        if self._table is not None and self._replicas is not None:
+            ranges = self._table.update(self._replicas.replicas)
+            if ranges:
+                self.persist_outside(ranges)
+
+    def _persist_locally(self) -> Changes:
+        c = self._source.take_changes()
+        if c.log is not None:
+            self._persister.persist_then_store(c.data, c.log[0], c.log[1])
+        elif c.data:
+            self._persister.persist(c.data)
+        return c
+
+    def _for_replicas(self, c: Changes) -> Ranges:
+        ranges = self._carry + c.persisted + c.stored + c.data
+        if c.log is not None:
+            ranges.append((c.log[0], len(c.log[1])))
+        self._carry = []
+        return ranges
+
+    async def _replicated_point(self, rs: ReplicaSet) -> None:
+        outcome = _Outcome()
+        error: Exception | None = None
+        flight: InFlight | None = None
+        async with rs.lock:
+            changes = self._persist_locally()
+            ranges = self._for_replicas(changes)
+            before, self._last = self._last, outcome
+            if ranges:
+                try:
+                    flight = rs.post(ranges)
+                except ReplicaError as e:
+                    self.note_replicas()
+                    error = e
+                except Exception as e:
+                    error = e
+        try:
+            if flight is not None:
+                try:
+                    await rs.complete(flight)
+                except Exception as e:
+                    error = e
+                finally:
+                    # Before the point returns: a replica left behind must be known as such
+                    # even if this daemon dies right after.
+                    self.note_replicas()
+            await before.done.wait()
+            if error is None and not ranges and before.failed:
+                # Nothing of its own: what this point covers went out with the point before,
+                # and that one failed.
+                error = before.failed
+            if error is not None:
+                # Local data is durable; replicas get these ranges with the next point, and
+                # blocks freed meanwhile stay unused until then.
+                self._carry[:0] = ranges
+                outcome.failed = error
+                unexpected = not isinstance(error, ReplicaError)
+                log.error("replication barrier failed: %s", error, exc_info=unexpected)
+                raise DurabilityError(str(error)) from None
+            self._source.mark_durable(changes.seq, changes.tail)
+        finally:
+            outcome.done.set()
