@@ -51,7 +51,8 @@ def _token(path: str | None) -> bytes | None:
 
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
-    from rpmemfs.mountd.provision import ProvisionError, create_pool
+    from rpmemfs.mountd.errors import ProvisionError
+    from rpmemfs.mountd.provision import create_pool
     from rpmemfs.replica.spec import ReplicaSpec, poolset_at
 
     pool, size_text, specs = args.pool, args.size, []

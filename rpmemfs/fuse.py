@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from rpmemfs.durability import Durability, DurabilityError
-from rpmemfs.fs.filesystem import Filesystem, FsError, NeedSync
+from rpmemfs.fs.errors import FsError
+from rpmemfs.fs.filesystem import Filesystem, NeedSync
 from rpmemfs.fs.inode import Inode
 from rpmemfs.poller import RequestPoller
 from rpmemfs.pool.layout import BLOCK
@@ -298,6 +299,8 @@ class Operations(pyfuse3.Operations):
             return json.dumps(self.describe()).encode()
         value = self.fs.getxattr(inode, name)
         if value is None:
+            # Not through FsError: the kernel asks for security.capability before every
+            # write, and building and mapping an OSError costs most of this call.
             raise pyfuse3.FUSEError(errno.ENODATA)
         return value
 

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
+from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.log import Log, LogFull, LogScan, Ranges, scan
 from rpmemfs.fs.replay import ROOT_INO, Index
@@ -48,11 +47,6 @@ SNAPSHOT_RECORD = 64 << 10
 # the cache, so the durability point has nothing to flush for them.
 NT_MIN = 64 << 10
 INODE_COST = 160  # rough snapshot bytes per small file, for statfs' inode numbers
-
-
-class FsError(RpmemfsError, OSError):
-    def __init__(self, err: int, what: str = "") -> None:
-        super().__init__(err, what or os.strerror(err))
 
 
 class NeedSync(Exception):

@@ -9,8 +9,8 @@ import time
 import uuid as uuidlib
 from collections.abc import Callable
 
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs import records as R
+from rpmemfs.fs.errors import MkfsError
 from rpmemfs.fs.replay import ROOT_INO
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import (
@@ -23,10 +23,6 @@ from rpmemfs.pool.layout import (
     plan,
 )
 from rpmemfs.pool.syncmap import format_map
-
-
-class MkfsError(RpmemfsError):
-    pass
 
 
 def _zero(fd: int, size: int, progress: Callable[[int, int], None] | None) -> None:

@@ -18,10 +18,10 @@ import trio
 
 from rpmemfs import logs
 from rpmemfs.durability import Durability, StaleTable
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
+from rpmemfs.mountd.errors import MountError
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
 from rpmemfs.pool.header import write_header
@@ -39,10 +39,6 @@ log = logging.getLogger("rpmemfs.mount")
 # Options mount(8) and fstab hand every helper; they mean nothing to us.
 IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto", "user",
            "nouser", "async", "defaults", "_netdev", "nofail", "atime", "noatime", "relatime"}
-
-
-class MountError(RpmemfsError):
-    pass
 
 
 @dataclass

@@ -6,18 +6,14 @@ from collections.abc import Callable
 
 import trio
 
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.fs.mkfs import mkfs
+from rpmemfs.mountd.errors import ProvisionError
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import Header
 from rpmemfs.replica.remote import create_remote, metadata_ranges
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import write_table
 from rpmemfs.transport.base import DEFAULT_TIMEOUT
-
-
-class ProvisionError(RpmemfsError):
-    pass
 
 
 def record_replicas(path: str, specs: list[ReplicaSpec], token_file: str | None) -> None:
