@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from rpmemfs.replica.replica import Replica
+from rpmemfs.replica.replica import Replica, ReplicaState
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import write_table
 
@@ -30,7 +30,7 @@ class StaleTable:
     def update(self, replicas: Iterable[Replica]) -> Ranges:
         """Write the table if the set of out-of-sync replicas changed; the ranges written
         (to persist, and to carry to the replicas), else nothing."""
-        behind = {str(r.spec) for r in replicas if r.state != "in-sync"}
+        behind = {str(r.spec) for r in replicas if r.state != ReplicaState.IN_SYNC}
         if behind == self.stale:
             return []
         if behind - self.stale:

@@ -27,7 +27,7 @@ from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
 from rpmemfs.pool.header import write_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch
 from rpmemfs.pool.syncmap import SyncMap
-from rpmemfs.replica import ReplicaSet
+from rpmemfs.replica import ReplicaSet, ReplicaState
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
@@ -215,7 +215,8 @@ class Mounted:
         if self.replicas is not None:
             return self.replicas.status()
         return [{"address": s.address, "name": s.name,
-                 "state": "stale" if str(s) in self.stale else "connecting"} for s in self.specs]
+                 "state": ReplicaState.STALE if str(s) in self.stale else ReplicaState.CONNECTING}
+                for s in self.specs]
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
@@ -253,7 +254,7 @@ class Mounted:
         usable = len(rs.in_sync)
         if usable < self.min_replicas:
             why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"
-                            for r in rs.status() if r["state"] != "in-sync")
+                            for r in rs.status() if r["state"] != ReplicaState.IN_SYNC)
             await rs.aclose()
             raise MountError(f"{usable} of {len(self.specs)} replicas usable, min_replicas="
                              f"{self.min_replicas}: {why}")
@@ -261,13 +262,12 @@ class Mounted:
             log.warning("mounting %s alone: no replica is usable now (min_replicas=0); "
                         "retrying them in the background", self.pool)
         for r in rs.status():
-            if r["state"] != "in-sync":
+            if r["state"] != ReplicaState.IN_SYNC:
                 log.error("replica %s/%s left out for now: %s", r["address"], r["name"], r["last_error"])
         self.replicas = rs
         table = StaleTable(self.mapping.buf, self.specs, self.table_token_file, self.stale)
         # The new epoch reaches the replicas with the first durability point.
         self.durability = Durability(self.fs, self.mapping, rs, table, carry=self.header_ranges)
-        rs.on_change = self.durability.note_replicas
         self.durability.note_replicas()
 
     def control_handlers(self) -> dict[str, control.Handler]:
@@ -329,7 +329,7 @@ class Mounted:
             results: list[dict[str, Any]] = []
             for r in rs.replicas:
                 entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state}
-                if r.state == "in-sync":
+                if r.state == ReplicaState.IN_SYNC:
                     try:
                         entry.update(await rs.repair(r, count))
                     except (TransportError, trio.TooSlowError) as exc:
@@ -355,7 +355,7 @@ class Mounted:
             nursery.start_soon(self._signals, nursery.cancel_scope)
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:
-                nursery.start_soon(self.replicas.keep)
+                nursery.start_soon(self.replicas.keep, self.durability.note_replicas)
             await nursery.start(control.serve, self.control_path, self.control_handlers())
             await pyfuse3.main()
             nursery.cancel_scope.cancel()

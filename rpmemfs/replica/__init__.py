@@ -5,7 +5,7 @@ it never sees a transport, and this layer never sees a file.
 """
 
 from rpmemfs.replica.remote import create_remote, metadata_ranges
-from rpmemfs.replica.replica import Replica, State
+from rpmemfs.replica.replica import Replica, ReplicaState
 from rpmemfs.replica.replica_set import ReplicaError, ReplicaSet
 from rpmemfs.replica.spec import PoolSet, PoolSetError, ReplicaSpec, is_poolset, parse_poolset, read_poolset
 from rpmemfs.replica.table import TableError, TableRead, inspect_table, read_table, write_table
@@ -17,7 +17,7 @@ __all__ = [
     "ReplicaError",
     "ReplicaSet",
     "ReplicaSpec",
-    "State",
+    "ReplicaState",
     "TableError",
     "TableRead",
     "create_remote",

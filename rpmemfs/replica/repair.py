@@ -25,6 +25,7 @@ from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
 from rpmemfs.pool.syncmap import SyncMap, format_map
+from rpmemfs.replica.replica import IN_SYNC
 from rpmemfs.replica.replica_set import ReplicaSet
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table, write_table
@@ -48,7 +49,7 @@ class SyncReport:
 
     @property
     def clean(self) -> bool:
-        return all(r.get("state") == "in-sync" for r in self.replicas)
+        return all(r.get("state") == IN_SYNC for r in self.replicas)
 
     def as_dict(self) -> dict[str, Any]:
         return {"pool": self.pool, "clean": self.clean, "seconds": round(self.seconds, 3),
@@ -83,7 +84,7 @@ async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], t
                                syncmap=syncmap, epoch=(hdr.epoch, hdr.epoch), progress=progress)
     try:
         table = inspect_table(buf)
-        stale = [str(r.spec) for r in rs.replicas if r.state != "in-sync"]
+        stale = [str(r.spec) for r in rs.replicas if r.state is not IN_SYNC]
         ranges = write_table(buf, specs, table.token_file, stale)
         mapping.persist(ranges)
         if rs.in_sync:
@@ -94,9 +95,9 @@ async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], t
         await rs.aclose()
     report = SyncReport(pool, time.monotonic() - t0)
     for r in rs.replicas:
-        entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state, **(r.last_resync or {})}
-        if r.state != "in-sync":
-            entry["error"] = r.last_error or r.state
+        entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state.value, **(r.last_resync or {})}
+        if r.state is not IN_SYNC:
+            entry["error"] = r.last_error or r.state.value
         report.replicas.append(entry)
     return report
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.progress import Notes
+from rpmemfs.replica import ReplicaState
 from rpmemfs.tools.processes import MountProcess, SpawnError, TargetProcess, run_rpmemfs
 
 FILES_PER_WRITER = 4
@@ -155,7 +156,8 @@ def run(args: Namespace) -> dict[str, Any]:
             if any(p.poll() is not None for p in writers):
                 raise SpawnError("a writer died: " + ", ".join(str(p.returncode) for p in writers))
             now = time.monotonic()
-            if now >= next_fault and all(r["state"] == "in-sync" for r in _status(mount)["replicas"]):
+            if now >= next_fault and all(r["state"] == ReplicaState.IN_SYNC
+                                         for r in _status(mount)["replicas"]):
                 # One target down at a time: the policy (min_replicas=1) then always holds.
                 i = rng.randrange(2)
                 victim = targets[i]
@@ -180,7 +182,7 @@ def run(args: Namespace) -> dict[str, Any]:
         deadline = time.monotonic() + 90
         while True:
             st = _status(mount)["replicas"]
-            if all(r["state"] == "in-sync" for r in st) or time.monotonic() > deadline:
+            if all(r["state"] == ReplicaState.IN_SYNC for r in st) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         report["replica_states"] = [r["state"] for r in st]

@@ -105,7 +105,7 @@ KNOWN_CYCLES = [
     ["rpmemfs.transport.choose", "rpmemfs.transport.rdma", "rpmemfs.transport.verbs"],
 ]
 KNOWN_WRONG_WAY: dict[str, list[str]] = {}
-KNOWN_LONG = {"rpmemfs.transport.verbs", "rpmemfs.replica.replica_set"}
+KNOWN_LONG = {"rpmemfs.transport.verbs"}
 
 
 def test_no_import_cycles() -> None:

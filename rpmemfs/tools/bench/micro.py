@@ -34,7 +34,7 @@ from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import Header
-from rpmemfs.replica import ReplicaSet, ReplicaSpec, create_remote, metadata_ranges
+from rpmemfs.replica import ReplicaSet, ReplicaSpec, ReplicaState, create_remote, metadata_ranges
 from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.machine import describe, one_line
 from rpmemfs.tools.bench.stats import percentile
@@ -121,7 +121,7 @@ async def _one_method(method: str, address: str, pm: PoolMapping, iterations: di
     rs = await ReplicaSet.open([spec], pm.buf, hdr.uuid, None, lanes=1)
     try:
         replica = rs.replicas[0]
-        if replica.state != "in-sync" or replica.region is None:
+        if replica.state is not ReplicaState.IN_SYNC or replica.region is None:
             raise RuntimeError(f"{spec}: {replica.last_error or replica.state}")
         region: RemoteRegion = replica.region
         if region.method != method:

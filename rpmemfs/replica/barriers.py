@@ -1,0 +1,184 @@
+"""Barriers: the replicas of one local pool and the barrier that serves them all at once.
+
+A barrier is the replication half of a durability point. The caller hands over the pool
+ranges to make durable, in the order they must land (data before the log records that point
+at it); every in-sync replica gets one batch of writes of exactly those bytes, taken from the
+local mapping without copies, and exactly one flush, all replicas in parallel.
+
+This is the hot path of every fsync, so it is kept on its own: `Barriers` is the base of
+`ReplicaSet` (replica_set.py), which adds opening, reconnecting, resync and live verify
+(connect.py, resync.py, live_verify.py) without a layer between the caller and `post`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+from rpmemfs.errors import RpmemfsError
+from rpmemfs.native import ffi
+from rpmemfs.pool.syncmap import SyncMap
+from rpmemfs.replica.replica import IN_SYNC, Posted, Replica
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, LocalPool
+from rpmemfs.transport.spin import spin
+
+# The polling budget of a barrier before it sleeps on its replies (see spin_budget).
+DEFAULT_SPIN_US = 200
+SPIN_BYTES_PER_US = 1000  # a loopback replica takes about 1 us per KB on top
+MAX_SPIN_US = 2000
+
+
+class ReplicaError(RpmemfsError):
+    """Fewer replicas than the policy requires acknowledged a barrier."""
+
+    def __init__(self, message: str, failed: list[Replica]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+@dataclass
+class InFlight:
+    """A barrier posted to the in-sync replicas, not yet complete."""
+
+    ranges: list[tuple[int, int]]
+    nbytes: int
+    posted: list[Posted]
+
+
+class Barriers:
+    """The replicas of one local pool and the barriers posted to them.
+
+    ``lock`` is held by whoever runs a barrier (the filesystem's durability point); a resync
+    takes it for its last pass, so that no barrier runs between "the replica has everything"
+    and "the replica gets every barrier".
+    """
+
+    def __init__(self, replicas: list[Replica], local_buf: memoryview, *,
+                 min_replicas: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 syncmap: SyncMap | None = None, lock: trio.Lock | None = None) -> None:
+        if min_replicas is None:
+            min_replicas = len(replicas)
+        if not 0 <= min_replicas <= len(replicas):
+            raise ValueError(f"min_replicas={min_replicas} with {len(replicas)} replicas")
+        self.replicas = replicas
+        self.local_buf = local_buf
+        self.min_replicas = min_replicas
+        self.timeout = timeout
+        self.spin_us = DEFAULT_SPIN_US
+        self.syncmap = syncmap
+        self.lock = lock or trio.Lock()
+        self._inflight = 0
+        self._drained = trio.Event()
+        # Where the pool starts, for the C code that builds and sends barriers; released
+        # in ReplicaSet.aclose(), so the mapping can be closed afterwards.
+        self._local = LocalPool(local_buf, ffi.from_buffer(local_buf))
+
+    @property
+    def in_sync(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state is IN_SYNC]
+
+    def _checked(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The non-empty ranges, each checked to lie in the local pool."""
+        size = len(self.local_buf)
+        out: list[tuple[int, int]] = []
+        for off, length in ranges:
+            if off < 0 or length < 0 or off + length > size:
+                raise ValueError(f"range ({off}, {length}) is outside the local pool of {size} bytes")
+            if length:
+                out.append((off, length))
+        return out
+
+    def _shortfall(self, acked: int, what: str) -> ReplicaError:
+        failed = [r for r in self.replicas if r.state is not IN_SYNC]
+        detail = "; ".join(f"{r.spec} ({r.last_error or r.state})" for r in failed)
+        return ReplicaError(
+            f"{what}: {acked} of {len(self.replicas)} replicas, {self.min_replicas} required"
+            + (f"; out of sync: {detail}" if detail else ""),
+            failed,
+        )
+
+    async def barrier(self, ranges: list[tuple[int, int]]) -> None:
+        """Make ``ranges`` of the local pool durable on the replicas; in list order per replica.
+
+        ReplicaError when fewer than ``min_replicas`` replicas acknowledged it. Replicas that
+        failed are marked so whether or not the barrier raises.
+        """
+        await self.complete(self.post(ranges))
+
+    def post(self, ranges: list[tuple[int, int]]) -> InFlight:
+        """Send a barrier to every in-sync replica without waiting: one batch of writes and
+        one flush each, on its barrier lane, behind the barriers posted before it.
+
+        What a replica left out misses is marked in the sync map here, before the replica can
+        rejoin (a rejoin waits for the barrier lock, which the caller holds): a mark made only
+        when the barrier completes could miss a replica that rejoined in between.
+        ReplicaError (after marking) when fewer than ``min_replicas`` are in sync.
+        """
+        self._mark([r for r in self.replicas if r.state is not IN_SYNC], ranges)
+        if len(self.in_sync) < self.min_replicas:
+            raise self._shortfall(len(self.in_sync), "too few replicas in sync")
+        ranges = self._checked(ranges)
+        nbytes = sum(n for _, n in ranges)
+        posted: list[Posted] = []
+        if ranges:
+            for replica in self.in_sync:
+                p = replica.post(self._local, ranges, nbytes)
+                if p is not None:
+                    posted.append(p)
+                else:  # posting failed: the replica is stale now
+                    self._mark([replica], ranges)
+        self._inflight += 1
+        return InFlight(ranges, nbytes, posted)
+
+    async def complete(self, flight: InFlight) -> None:
+        """Wait for a posted barrier; ReplicaError when too few replicas acknowledged it."""
+        acked: list[Replica] = []
+
+        async def finish(posted: Posted) -> None:
+            if await posted.replica.finish(posted, self.timeout):
+                acked.append(posted.replica)
+
+        try:
+            if not flight.ranges:
+                return
+            # Poll all the completions together first: the common barrier completes here
+            # without one scheduling round trip or wake-up.
+            spin([p.ticket for p in flight.posted], self.spin_budget(flight.nbytes))
+            pending: list[Posted] = []
+            for p in flight.posted:
+                done = p.replica.poll(p)
+                if done:
+                    acked.append(p.replica)
+                elif done is None:
+                    pending.append(p)
+            if pending:
+                async with trio.open_nursery() as nursery:
+                    for p in pending:
+                        nursery.start_soon(finish, p)
+        finally:
+            # Before the fsync returns: what a replica that failed this barrier misses is in
+            # the pool, so it gets just that when it is back, even after a restart here.
+            self._mark([p.replica for p in flight.posted if p.replica not in acked], flight.ranges)
+            self._inflight -= 1
+            if not self._inflight:
+                self._drained.set()
+                self._drained = trio.Event()
+        if len(acked) < self.min_replicas:
+            raise self._shortfall(len(acked), "barrier acknowledged by too few replicas")
+
+    def _mark(self, replicas: list[Replica], ranges: list[tuple[int, int]]) -> None:
+        if replicas and self.syncmap is not None:
+            self.syncmap.mark([r.slot for r in replicas], ranges)
+
+    async def drain(self) -> None:
+        """Wait until no posted barrier is in flight (call with the barrier lock held)."""
+        while self._inflight:
+            await self._drained.wait()
+
+    def spin_budget(self, nbytes: int) -> int:
+        """How long (us) a barrier of ``nbytes`` polls before it sleeps: about what a
+        healthy loopback replica takes, so only a slow or distant one costs a wake-up."""
+        if self.spin_us <= 0:
+            return 0
+        return min(self.spin_us + nbytes // SPIN_BYTES_PER_US, MAX_SPIN_US)

@@ -1,0 +1,162 @@
+"""Resync: send a replica that missed barriers what it misses, then let it join them.
+
+What it misses comes from the pool's sync map; with nothing known (no sync map, or its slot
+FULL) every chunk is compared by checksum first. The copies go on the replica's bulk lane in
+barriers of COPY_BATCH bytes, beside the barriers of the in-sync replicas. The comparison and
+the copy also serve the live verify-and-repair (live_verify.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from rpmemfs.replica.barriers import Barriers
+from rpmemfs.replica.replica import RESYNCING, Replica
+from rpmemfs.replica.verify import content_size, differing_chunks
+
+log = logging.getLogger(__name__)
+
+COPY_BATCH = 8 << 20  # bytes per barrier while resyncing
+COMPARE_CHUNK = 1 << 20  # checksum chunk when the pool has no sync map
+MAX_PASSES = 8  # resync passes outside the barrier lock before the last one under it...
+LAST_PASS_CHUNKS = 64  # ...or fewer chunks left than this
+
+
+async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]) -> bool:
+    """Send the replica what it misses, then let it join the barriers; False when it fell
+    stale meanwhile and did not join.
+
+    Passes run while barriers go on without the replica (marking what they write as
+    missing, so the next pass sends it again); the last pass runs under the barrier
+    lock, and the replica joins before the lock is released. ``progress`` counts the bytes
+    compared and copied.
+    """
+    syncmap = rs.syncmap
+    slot = replica.slot
+    replica.move(RESYNCING)
+    replica.resyncs += 1
+    t0 = time.monotonic()
+    totals = {"compared_chunks": 0, "differing_chunks": 0, "chunks_sent": 0, "bytes_sent": 0,
+              "passes": 0}
+    if syncmap is None or syncmap.full(slot):
+        if syncmap is not None:
+            syncmap.take(slot)  # the comparison covers what the map held until now
+        totals["bytes_sent"] += await compare_and_repair(rs, replica, totals, locked=False,
+                                                         compared=progress, copied=progress)
+    if syncmap is not None:
+        for _ in range(MAX_PASSES):
+            if syncmap.count(slot) <= LAST_PASS_CHUNKS:
+                break
+            totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
+    async with rs.lock:
+        if syncmap is not None:
+            totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
+        if replica.state is not RESYNCING:
+            # A barrier posted on its previous session failed meanwhile, and may have marked
+            # what it missed after the last pass took the map: its keeper tries again.
+            return False
+        if syncmap is not None:
+            syncmap.settle(slot)
+        replica.joined()
+    replica.resync = None
+    replica.last_resync = {**totals, "seconds": round(time.monotonic() - t0, 3)}
+    if totals["bytes_sent"] or totals["compared_chunks"]:
+        log.warning("replica %s resynced: %s", replica.spec, replica.last_resync)
+    return True
+
+
+async def _send_missing(rs: Barriers, replica: Replica, totals: dict[str, int],
+                        progress: Callable[[int], None]) -> int:
+    """One pass: the chunks the sync map has for the replica, in barriers."""
+    assert rs.syncmap is not None
+    runs = rs.syncmap.take(replica.slot)
+    totals["passes"] += 1
+    if not runs:
+        return 0
+    totals["chunks_sent"] += sum(-(-n // rs.syncmap.chunk) for _, n in runs)
+    try:
+        return await copy(rs, replica, runs, "resync", progress)
+    except BaseException:
+        # Not sent after all: still missing (the durable bits never went away).
+        rs.syncmap.mark([replica.slot], runs)
+        raise
+
+
+async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, int], *, locked: bool,
+                             compared: Callable[[int], None], copied: Callable[[int], None]) -> int:
+    """Compare every chunk by checksum, then copy the ones that differ (under the barrier
+    lock when ``locked``, for a replica that takes barriers meanwhile); bytes sent.
+    ``compared`` and ``copied`` count the bytes compared and copied."""
+    assert replica.session is not None and replica.region is not None
+    limit = content_size(rs.local_buf)
+    chunk = rs.syncmap.chunk if rs.syncmap and rs.syncmap.enabled else COMPARE_CHUNK
+    replica.resync = {"phase": "compare", "done": 0, "total": limit}
+
+    def compared_some(n: int) -> None:
+        assert replica.resync is not None
+        replica.resync["done"] += n
+        compared(n)
+
+    n_compared, runs = await differing_chunks(replica.session, replica.region, rs.local_buf,
+                                              [(0, limit)], chunk, compared_some, rs.timeout)
+    differing = sum(-(-n // chunk) for _, n in runs)
+    totals["compared_chunks"] += n_compared
+    totals["differing_chunks"] += differing
+    totals["chunks_sent"] += differing
+    log.info("replica %s: %d of %d chunks differ", replica.spec, differing, n_compared)
+    if not locked:
+        return await copy(rs, replica, runs, "repair", copied)
+    async with rs.lock:
+        # Current content: anything written since the comparison is newer still, and
+        # barriers cannot overtake this copy while the lock is held and none is in
+        # flight.
+        await rs.drain()
+        return await copy(rs, replica, runs, "repair", copied)
+
+
+async def copy(rs: Barriers, replica: Replica, runs: list[tuple[int, int]], phase: str,
+               progress: Callable[[int], None]) -> int:
+    """Write ``runs`` of the local pool to the replica in barriers of COPY_BATCH bytes."""
+    assert replica.region is not None and replica.lanes
+    total = sum(n for _, n in runs)
+    replica.resync = {"phase": phase, "done": 0, "total": total}
+    lane = replica.bulk_lane
+    batch: list[tuple[int, int]] = []
+    size = 0
+    last_log = time.monotonic()
+
+    async def flush() -> None:
+        nonlocal size, last_log
+        writes = [(off, rs.local_buf[off : off + n]) for off, n in batch]
+        try:
+            with trio.fail_after(rs.timeout):
+                await lane.barrier(replica.region, writes)  # type: ignore[arg-type]
+        finally:
+            for _, view in writes:
+                view.release()
+        assert replica.resync is not None
+        replica.resync["done"] += size
+        progress(size)
+        batch.clear()
+        size = 0
+        if time.monotonic() - last_log > 1:
+            last_log = time.monotonic()
+            log.info("replica %s: %s %d of %d bytes", replica.spec, phase,
+                     replica.resync["done"], total)
+
+    for off, length in runs:
+        pos, end = off, off + length
+        while pos < end:
+            n = min(end - pos, COPY_BATCH - size)
+            batch.append((pos, n))
+            size += n
+            pos += n
+            if size >= COPY_BATCH:
+                await flush()
+    if batch:
+        await flush()
+    return total
