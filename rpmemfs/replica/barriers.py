@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import trio
 
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.native import ffi
 from rpmemfs.pool.syncmap import SyncMap
+from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.replica import IN_SYNC, Posted, Replica
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, LocalPool
 from rpmemfs.transport.spin import spin
@@ -29,7 +29,7 @@ SPIN_BYTES_PER_US = 1000  # a loopback replica takes about 1 us per KB on top
 MAX_SPIN_US = 2000
 
 
-class ReplicaError(RpmemfsError):
+class ReplicaError(ReplicationError):
     """Fewer replicas than the policy requires acknowledged a barrier."""
 
     def __init__(self, message: str, failed: list[Replica]) -> None:

@@ -20,11 +20,11 @@ from typing import Any
 
 import trio
 
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
 from rpmemfs.pool.syncmap import SyncMap, format_map
+from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.replica import IN_SYNC
 from rpmemfs.replica.replica_set import ReplicaSet
 from rpmemfs.replica.spec import ReplicaSpec
@@ -36,7 +36,7 @@ from rpmemfs.transport.choose import transport_for
 READ_STEP = 4 << 20  # bytes per read while recovering
 
 
-class RepairError(RpmemfsError):
+class RepairError(ReplicationError):
     """The repair could not be done; the message says why. The local pool is untouched, or,
     for recover, not created."""
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rpmemfs.errors import RpmemfsError
+from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.units import parse_size
@@ -101,7 +101,7 @@ class PoolSet:
     replicas: list[ReplicaSpec] = field(default_factory=list)
 
 
-class PoolSetError(RpmemfsError, ValueError):
+class PoolSetError(ReplicationError, ValueError):
     """A pool-set file is malformed; the message names the file, the line and the problem."""
 
 

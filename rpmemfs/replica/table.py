@@ -21,9 +21,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from rpmemfs.errors import RpmemfsError
 from rpmemfs.native import crc32c
 from rpmemfs.pool.layout import BACKUP_OFF, BLOCK, HEADER_OFF
+from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.spec import ReplicaSpec
 
 TABLE_MAGIC = b"RPMREPL\x00"
@@ -38,7 +38,7 @@ assert TABLE_IN_BLOCK + SLOT_BYTES <= BLOCK
 Buffer = bytes | bytearray | memoryview
 
 
-class TableError(RpmemfsError, ValueError):
+class TableError(ReplicationError, ValueError):
     """The table cannot be written as asked (too large)."""
 
 
