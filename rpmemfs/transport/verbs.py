@@ -20,6 +20,12 @@ posted through an extended queue pair. One completion
 is awaited per barrier: the READ's, the FLUSH's, or the reply's receive. Waiting is trio
 waiting for the completion channel's descriptor, after a short busy poll of the completion
 queue.
+
+Why this module is long: a lane is one state machine (send queue slots, request credits,
+tickets waiting to be posted, replies by sequence number) whose posting half and completion
+half change together, and the session beside it opens those lanes and lends them its
+protection domain and registrations; split apart, each half would reach into the other's
+state. pyverbs plumbing that does not need that state is in rdma.py already.
 """
 
 from __future__ import annotations

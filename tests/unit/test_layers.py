@@ -106,7 +106,7 @@ KNOWN_WRONG_WAY = {
     "rpmemfs.fuse": ["rpmemfs.fuse imports rpmemfs.replica",
                      "rpmemfs.fuse imports rpmemfs.replica.replica_set"],
 }
-KNOWN_LONG = {"rpmemfs.fs.filesystem", "rpmemfs.transport.verbs", "rpmemfs.replica.replica_set"}
+KNOWN_LONG = {"rpmemfs.fs.filesystem", "rpmemfs.replica.replica_set"}
 
 
 def test_no_import_cycles() -> None:
