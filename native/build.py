@@ -1,12 +1,16 @@
 """cffi API-mode builder for the ``rpmemfs._native`` extension.
 
 setuptools runs this through ``setup(cffi_modules=["native/build.py:ffibuilder"])``,
-so ``pip install .`` and ``pip install -e .`` both compile it.
+so ``pip install .`` and ``pip install -e .`` both compile it. It first writes
+native/rpmem_wire.h from rpmemfs/transport/wire.py (native/wire_header.py), the wire format
+that rpmem_lane.c is compiled against.
 """
 
+import importlib.util
 import os
 import re
 from pathlib import Path
+from types import ModuleType
 
 from cffi import FFI
 
@@ -19,12 +23,26 @@ def _rel(path: Path) -> str:
     return os.path.relpath(path)
 
 
+def _load_generator() -> ModuleType:
+    # setuptools execs this file without putting its folder on sys.path.
+    spec = importlib.util.spec_from_file_location("_rpmemfs_wire_header", _HERE / "wire_header.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_wire_header = _load_generator()
+_wire_header.write()
+
+
 def _cdef() -> str:
-    # The header is the single declaration of the C API; cffi's cdef cannot parse
-    # preprocessor lines except integer constants, which it exports as lib.NAME.
+    # rpmem_native.h is the single declaration of the C API; cffi's cdef cannot parse
+    # preprocessor lines except integer constants, which it exports as lib.NAME. The wire
+    # format's constants and structs come first: the API uses them.
     text = (_HERE / "rpmem_native.h").read_text()
     keep = [ln for ln in text.splitlines() if not ln.startswith("#") or re.fullmatch(r"#define \w+ \d+", ln)]
-    return "\n".join(keep)
+    return _wire_header.render_cdef(_wire_header.load_wire()) + "\n".join(keep)
 
 
 ffibuilder = FFI()
@@ -36,6 +54,8 @@ ffibuilder.set_source(
     include_dirs=[_rel(_HERE)],
     # Listed so that sdists carry them (setuptools >= 68, which pyproject.toml
     # requires, packs an extension's depends) and editing them triggers a rebuild.
-    depends=[_rel(_HERE / "rpmem_native.h"), _rel(_HERE / "build.py")],
+    depends=[
+        _rel(_HERE / name) for name in ("rpmem_native.h", "rpmem_wire.h", "build.py", "wire_header.py")
+    ] + [_rel(_wire_header.WIRE)],
     extra_compile_args=["-O2"],
 )

@@ -34,35 +34,18 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HDR 32
-#define OP_WRITE 0x01
-#define OP_READ 0x02
-#define OP_READ_RESP 0x03
-#define OP_ATOMIC 0x04
-#define OP_SEND 0x05
-#define OP_SEND_REPLY 0x06
-#define F_FLUSH 0x01
-#define KIND_FLUSH 2
-#define MAX_WRITE (64u << 20)
-#define MAX_READ (16u << 20)
+/* The wire format (opcodes, flags, limits, the frame header and the flush list) is
+ * rpmem_wire.h's, generated from rpmemfs/transport/wire.py; none of it is spelled here.
+ * What this file assumes of it beyond the names: */
+_Static_assert(sizeof(struct rpm_wire_flush_range) == 2 * sizeof(uint64_t),
+               "flush ranges are copied as the (offset, length) pairs persist() takes");
+_Static_assert(RPM_WIRE_FLUSH_COUNT_SIZE == sizeof(uint32_t), "a flush list's count is a uint32_t");
+_Static_assert(RPM_WIRE_ATOMIC_SIZE == sizeof(uint64_t), "an atomic write stores one 64-bit word");
+
 /* A payload remainder smaller than this comes through the staging buffer (it may bring
  * the next frames along); a larger one is received straight into the mapping. */
 #define STRAIGHT_MIN (16u << 10)
 #define PAGE 4096u
-
-/* The wire header; the host is little endian like the wire (x86-64 only: see clwb). */
-struct hdr {
-    uint8_t op;
-    uint8_t flags;
-    uint16_t reserved;
-    uint32_t key;
-    uint64_t offset;
-    uint32_t length;
-    uint32_t id;
-    uint64_t imm;
-} __attribute__((packed));
-
-_Static_assert(sizeof(struct hdr) == HDR, "wire header is 32 bytes");
 
 static uint64_t now_ns(void)
 {
@@ -261,8 +244,8 @@ static int send_all(struct rpm_lane *l, struct iovec *iov, int cnt, uint64_t dea
 static int reply(struct rpm_lane *l, uint8_t op, uint32_t id, const void *data, uint32_t len,
                  uint64_t deadline)
 {
-    struct hdr h = {.op = op, .length = len, .id = id};
-    struct iovec iov[2] = {{&h, HDR}, {(void *)data, len}};
+    struct rpm_wire_hdr h = {.op = op, .length = len, .id = id};
+    struct iovec iov[2] = {{&h, RPM_WIRE_HEADER_SIZE}, {(void *)data, len}};
     return send_all(l, iov, len ? 2 : 1, deadline);
 }
 
@@ -297,7 +280,8 @@ static void place(const struct rpm_lane *l, char *dst, const char *src, size_t n
         memcpy(dst, src, n);
 }
 
-static int do_write(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
+static int do_write(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm_region *r,
+                    uint64_t deadline)
 {
     char *dst = r->base + h->offset;
     uint32_t total = h->length, pos = l->end - l->start;
@@ -334,107 +318,114 @@ static int do_write(struct rpm_lane *l, const struct hdr *h, struct rpm_region *
     return 0;
 }
 
-static int do_read(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
+static int do_read(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm_region *r,
+                   uint64_t deadline)
 {
     /* Everything earlier on the lane is placed; under apm it must also be persistent. */
     if (l->apm)
         rpm_drain();
     /* Counted before the reply, so a peer that saw the answer also sees it counted. */
-    rpm_count(h->flags & F_FLUSH ? &r->counters->flushes : &r->counters->reads, 1);
-    return reply(l, OP_READ_RESP, h->id, r->base + h->offset, h->length, deadline);
+    rpm_count(h->flags & RPM_WIRE_F_FLUSH ? &r->counters->flushes : &r->counters->reads, 1);
+    return reply(l, RPM_WIRE_OP_READ_RESP, h->id, r->base + h->offset, h->length, deadline);
 }
 
-static void do_atomic(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r)
+static void do_atomic(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm_region *r)
 {
     uint64_t *word = (uint64_t *)(r->base + h->offset);
     __atomic_store_n(word, h->imm, __ATOMIC_RELEASE);
     if (l->apm)
-        rpm_flush(word, 8);
+        rpm_flush(word, RPM_WIRE_ATOMIC_SIZE);
     rpm_count(&r->counters->atomics, 1);
+}
+
+static const char *flush_range_at(const char *list, uint32_t i)
+{
+    return list + RPM_WIRE_FLUSH_COUNT_SIZE + (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * i;
 }
 
 /* The flush list sits whole in the staging buffer after its header; 0 when it is valid. */
 static int flush_list_ok(const struct rpm_region *r, const char *p, uint32_t len, uint32_t *count)
 {
-    if (len < 4)
+    if (len < RPM_WIRE_FLUSH_COUNT_SIZE)
         return 0;
     uint32_t n;
-    memcpy(&n, p, 4);
-    if ((uint64_t)len != 4 + 16 * (uint64_t)n)
+    memcpy(&n, p, RPM_WIRE_FLUSH_COUNT_SIZE);
+    if ((uint64_t)len != RPM_WIRE_FLUSH_COUNT_SIZE + (uint64_t)RPM_WIRE_FLUSH_RANGE_SIZE * n)
         return 0;
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t off, ln;
-        memcpy(&off, p + 4 + 16 * i, 8);
-        memcpy(&ln, p + 12 + 16 * i, 8);
-        if (!in_bounds(r, off, ln))
+        struct rpm_wire_flush_range range;
+        memcpy(&range, flush_range_at(p, i), sizeof range);
+        if (!in_bounds(r, range.offset, range.length))
             return 0;
     }
     *count = n;
     return 1;
 }
 
-static int do_flush(struct rpm_lane *l, const struct hdr *h, struct rpm_region *r, uint64_t deadline)
+static int do_flush(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm_region *r,
+                    uint64_t deadline)
 {
     uint32_t count = 0;
-    const char *p = l->stage + l->start + HDR;
+    const char *p = l->stage + l->start + RPM_WIRE_HEADER_SIZE;
     if (!flush_list_ok(r, p, h->length, &count))
         return RPM_LANE_HANDOFF;
-    l->start += HDR + h->length;
+    l->start += RPM_WIRE_HEADER_SIZE + h->length;
     /* The pairs may be unaligned in the staging buffer; copy them in bounded chunks. */
     uint64_t pairs[2 * 64];
     int failed = 0;
     for (uint32_t i = 0; i < count; i += 64) {
         uint32_t k = count - i < 64 ? count - i : 64;
-        memcpy(pairs, p + 4 + 16 * i, 16 * k);
+        memcpy(pairs, flush_range_at(p, i), (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * k);
         persist(r, pairs, k, &failed);
     }
     if (failed) {
         l->err = failed;
-        memcpy(l->hdr, h, HDR);
+        memcpy(l->hdr, h, RPM_WIRE_HEADER_SIZE);
         return RPM_LANE_PERSIST_FAILED;
     }
     rpm_count(&r->counters->flushes, 1);
-    return reply(l, OP_SEND_REPLY, h->id, NULL, 0, deadline);
+    return reply(l, RPM_WIRE_OP_SEND_REPLY, h->id, NULL, 0, deadline);
 }
 
 /* Serve one frame whose header is in the staging buffer. */
 static int serve_one(struct rpm_lane *l, uint64_t deadline)
 {
-    struct hdr h;
-    memcpy(&h, l->stage + l->start, HDR);
+    struct rpm_wire_hdr h;
+    memcpy(&h, l->stage + l->start, RPM_WIRE_HEADER_SIZE);
     if (h.reserved)
         return RPM_LANE_HANDOFF;
     int rc = RPM_LANE_HANDOFF;
-    uint64_t span = h.op == OP_ATOMIC ? 8 : h.op == OP_SEND ? 0 : h.length;
+    uint64_t span = h.op == RPM_WIRE_OP_ATOMIC_WRITE ? RPM_WIRE_ATOMIC_SIZE
+                    : h.op == RPM_WIRE_OP_SEND ? 0 : h.length;
     struct rpm_region *r = hold(l, h.key);
     if (!r)
         return RPM_LANE_HANDOFF;
     if (!in_bounds(r, h.offset, span))
         goto out;
     switch (h.op) {
-    case OP_WRITE:
-        if (h.flags || h.length > MAX_WRITE)
+    case RPM_WIRE_OP_WRITE:
+        if (h.flags || h.length > RPM_WIRE_MAX_WRITE)
             break;
-        l->start += HDR;
+        l->start += RPM_WIRE_HEADER_SIZE;
         rc = do_write(l, &h, r, deadline);
         break;
-    case OP_READ:
-        if ((h.flags & ~F_FLUSH) || h.length > MAX_READ)
+    case RPM_WIRE_OP_READ:
+        if ((h.flags & ~RPM_WIRE_F_FLUSH) || h.length > RPM_WIRE_MAX_READ)
             break;
-        l->start += HDR;
+        l->start += RPM_WIRE_HEADER_SIZE;
         rc = do_read(l, &h, r, deadline);
         break;
-    case OP_ATOMIC:
-        if (h.flags || h.length || h.offset % 8)
+    case RPM_WIRE_OP_ATOMIC_WRITE:
+        if (h.flags || h.length || h.offset % RPM_WIRE_ATOMIC_SIZE)
             break;
-        l->start += HDR;
+        l->start += RPM_WIRE_HEADER_SIZE;
         do_atomic(l, &h, r);
         rc = 0;
         break;
-    case OP_SEND:
-        if (h.flags || h.imm != KIND_FLUSH || h.length > l->stage_size - HDR)
+    case RPM_WIRE_OP_SEND:
+        if (h.flags || h.imm != RPM_WIRE_SEND_FLUSH || h.length > l->stage_size - RPM_WIRE_HEADER_SIZE)
             break;
-        rc = fill(l, HDR + h.length, deadline, 0);
+        rc = fill(l, RPM_WIRE_HEADER_SIZE + h.length, deadline, 0);
         if (rc == RPM_LANE_CLOSED)
             rc = RPM_LANE_TRUNCATED;
         if (!rc)
@@ -458,7 +449,7 @@ int rpm_lane_serve(struct rpm_lane *l)
         if (l->end == l->start)
             rc = fill(l, 1, deadline_after(l->idle_ms), 1);
         if (!rc)
-            rc = fill(l, HDR, deadline_after(l->frame_ms), 0);
+            rc = fill(l, RPM_WIRE_HEADER_SIZE, deadline_after(l->frame_ms), 0);
         if (rc)
             return rc == RPM_LANE_CLOSED && l->end > l->start ? RPM_LANE_TRUNCATED : rc;
         rc = serve_one(l, deadline_after(l->frame_ms));
@@ -498,28 +489,28 @@ long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t 
                       uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
                       uint8_t *flush_list, uint64_t *total)
 {
-    struct hdr *h = (struct hdr *)hdrs;
+    struct rpm_wire_hdr *h = (struct rpm_wire_hdr *)hdrs;
     uint64_t bytes = 0;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t off = pairs[2 * i], len = pairs[2 * i + 1];
-        if (!len || len > MAX_WRITE || off > region_size || len > region_size - off)
+        if (!len || len > RPM_WIRE_MAX_WRITE || off > region_size || len > region_size - off)
             return -EINVAL;
-        h[i] = (struct hdr){.op = OP_WRITE, .key = key, .offset = off, .length = (uint32_t)len,
-                            .id = first_id + i};
-        bytes += HDR + len;
+        h[i] = (struct rpm_wire_hdr){.op = RPM_WIRE_OP_WRITE, .key = key, .offset = off,
+                                     .length = (uint32_t)len, .id = first_id + i};
+        bytes += RPM_WIRE_HEADER_SIZE + len;
     }
-    uint32_t list_len = 4 + 16 * n;
+    uint32_t list_len = RPM_WIRE_FLUSH_COUNT_SIZE + RPM_WIRE_FLUSH_RANGE_SIZE * n;
     if (apm) {
-        h[n] = (struct hdr){.op = OP_READ, .flags = F_FLUSH, .key = key, .length = 8,
-                            .id = first_id + n};
+        h[n] = (struct rpm_wire_hdr){.op = RPM_WIRE_OP_READ, .flags = RPM_WIRE_F_FLUSH, .key = key,
+                                     .length = RPM_WIRE_FLUSH_READ_SIZE, .id = first_id + n};
         list_len = 0;
     } else {
-        memcpy(flush_list, &n, 4);
-        memcpy(flush_list + 4, pairs, 16 * (size_t)n);
-        h[n] = (struct hdr){.op = OP_SEND, .key = key, .length = list_len, .id = first_id + n,
-                            .imm = KIND_FLUSH};
+        memcpy(flush_list, &n, RPM_WIRE_FLUSH_COUNT_SIZE);
+        memcpy(flush_list + RPM_WIRE_FLUSH_COUNT_SIZE, pairs, (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * n);
+        h[n] = (struct rpm_wire_hdr){.op = RPM_WIRE_OP_SEND, .key = key, .length = list_len,
+                                     .id = first_id + n, .imm = RPM_WIRE_SEND_FLUSH};
     }
-    bytes += HDR + list_len;
+    bytes += RPM_WIRE_HEADER_SIZE + list_len;
     *total = bytes;
     if (fd < 0)
         return 0; /* frames built for the caller to send later */
@@ -539,10 +530,10 @@ long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t 
             if (j < 2 * n) {
                 uint32_t i = j / 2;
                 p = j % 2 ? (char *)base + pairs[2 * i] : (char *)&h[i];
-                len = j % 2 ? pairs[2 * i + 1] : HDR;
+                len = j % 2 ? pairs[2 * i + 1] : RPM_WIRE_HEADER_SIZE;
             } else if (j == 2 * n) {
                 p = (char *)&h[n];
-                len = HDR;
+                len = RPM_WIRE_HEADER_SIZE;
             } else {
                 p = (char *)flush_list;
                 len = list_len;

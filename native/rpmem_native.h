@@ -1,13 +1,16 @@
 /* rpmemfs native helper: cache-line write-back, non-temporal copies, CRC-32C.
  *
  * This header doubles as the cffi cdef: build.py feeds it to cffi with the
- * preprocessor lines dropped, so it must hold only plain declarations.
+ * preprocessor lines dropped (after the wire format's cdef, which defines the RPM_WIRE_
+ * names used here), so it must hold only plain declarations.
  */
 #ifndef RPMEM_NATIVE_H
 #define RPMEM_NATIVE_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "rpmem_wire.h" /* generated from rpmemfs/transport/wire.py (native/wire_header.py) */
 
 /* 2 = clwb, 1 = clflushopt, 0 = clflush; the instruction rpm_flush uses. */
 int rpm_flush_kind(void);
@@ -81,7 +84,7 @@ struct rpm_lane {
     uint32_t stage_size;
     uint32_t start;
     uint32_t end;
-    uint8_t hdr[32];
+    uint8_t hdr[RPM_WIRE_HEADER_SIZE]; /* the frame a persist failed for */
 };
 
 /* What rpm_lane_serve returns. */
@@ -113,9 +116,10 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
 /* Initiator: build one barrier's frames and send what the socket takes now. n WRITEs of
  * the ranges in pairs (offset, length) of the local pool at base, each to the same offset
  * of the remote region key (ids first_id ...), then the flush (id first_id + n): with apm
- * an 8-byte READ, else a SEND of the range list. hdrs holds 32 (n + 1) bytes, flush_list
- * 4 + 16 n. Returns the bytes sent (less than *total when the socket is full), -EINVAL for
- * a range outside the region, or another -errno; with fd < 0 it only builds the frames. */
+ * a flush READ, else a SEND of the range list. hdrs holds RPM_WIRE_HEADER_SIZE (n + 1)
+ * bytes, flush_list RPM_WIRE_FLUSH_COUNT_SIZE + RPM_WIRE_FLUSH_RANGE_SIZE n. Returns the
+ * bytes sent (less than *total when the socket is full), -EINVAL for a range outside the
+ * region, or another -errno; with fd < 0 it only builds the frames. */
 long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
                       uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
                       uint8_t *flush_list, uint64_t *total);

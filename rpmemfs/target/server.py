@@ -104,9 +104,8 @@ class Server:
         from rpmemfs.target.verbs_server import VerbsService
 
         host, port = listener.getsockname()[:2]
-        verbs = VerbsService.start(host, port, self.sessions, self.control)
+        verbs = VerbsService.start(host, port, self.sessions, self.control.handle, self.config.spin_us / 1e6)
         if verbs is not None:
-            verbs.spin_s = self.config.spin_us / 1e6
             self.control.verbs = verbs
             self.info["rdma"] = {"port": port, "device": verbs.device}
             nursery.start_soon(verbs.run)

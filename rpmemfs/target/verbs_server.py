@@ -23,18 +23,21 @@ import errno
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from rpmemfs.native import ffi
 from rpmemfs.target.sessions import SessionTable, TargetSession
 
-if TYPE_CHECKING:
-    from rpmemfs.target.control import ControlService
-
 log = logging.getLogger("rpmemfs.target.verbs")
+
+# Answers a control request a lane SENDs (ControlService.handle). Passed in, so that this
+# module need not know the control service, which knows this one.
+ControlHandler = Callable[[TargetSession, object], Awaitable[dict[str, Any]]]
+
 
 class Violation(Exception):
     """A lane broke the protocol; it is closed, the reason logged."""
@@ -60,8 +63,8 @@ class _SessionVerbs:
 class VerbsService:
     """Verbs for one target; :meth:`start` returns None (and says why) where it cannot run."""
 
-    def __init__(self, rdma: Any, host: str, port: int, sessions: SessionTable, control: ControlService,
-                 events: Any, listen_id: Any, ctx: Any) -> None:
+    def __init__(self, rdma: Any, host: str, port: int, sessions: SessionTable, control: ControlHandler,
+                 events: Any, listen_id: Any, ctx: Any, spin_s: float) -> None:
         self._rdma = rdma
         self.host = host
         self.port = port
@@ -76,12 +79,12 @@ class VerbsService:
         self.flush_access = rdma.flush_access(ctx)
         self._state: dict[bytes, _SessionVerbs] = {}
         self._nursery: trio.Nursery | None = None
-        self.spin_s = 0.0  # how long a lane polls after a request before it sleeps
+        self.spin_s = spin_s  # how long a lane polls after a request before it sleeps
         sessions.hooks.append(self)
 
     @classmethod
-    def start(cls, host: str, port: int, sessions: SessionTable,
-              control: ControlService) -> VerbsService | None:
+    def start(cls, host: str, port: int, sessions: SessionTable, control: ControlHandler,
+              spin_s: float = 0.0) -> VerbsService | None:
         try:
             from rpmemfs.transport import rdma
         except ImportError as exc:
@@ -110,7 +113,7 @@ class VerbsService:
             listen_id.close()
             events.close()
             return None
-        service = cls(rdma, host, port, sessions, control, events, listen_id, ctx)
+        service = cls(rdma, host, port, sessions, control, events, listen_id, ctx, spin_s)
         log.info("verbs: serving on %s port %d (device %s%s)", host, port, service.device,
                  ", native FLUSH" if service.flush_access else "")
         return service
@@ -328,7 +331,7 @@ class VerbsService:
                 msg = json.loads(request.body)
             except ValueError:
                 raise Violation("a control request that is not JSON") from None
-            reply = await self._control.handle(session, msg)
+            reply = await self._control(session, msg)
             body = json.dumps(reply).encode()
             if len(body) > rdma.MAX_MESSAGE:
                 body = json.dumps({"ok": False, "error": "reply too large for a lane",

@@ -1,32 +1,31 @@
 """Which transport reaches a replica: what its address says (``rdma://``, ``tcp://``), or for
-a bare address verbs when this node has an RDMA device and TCP otherwise."""
+a bare address verbs when this node has an RDMA device and TCP otherwise.
+
+This is the edge where a transport is built, so it is where the verbs settings are read from
+the environment (:meth:`VerbsSettings.from_env`) unless the caller passes them in.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
+from dataclasses import replace
 
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, Session, Transport, TransportError
 from rpmemfs.transport.tcp import TcpTransport
+from rpmemfs.transport.verbs_config import VerbsSettings, rdma_devices
+
+__all__ = ["AutoTransport", "VerbsSettings", "rdma_devices", "transport_for", "verbs_transport"]
 
 log = logging.getLogger("rpmemfs.transport")
 
 
-def rdma_devices() -> list[str]:
-    """The RDMA devices the kernel shows, read without loading pyverbs."""
-    try:
-        return sorted(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return []
-
-
-def verbs_transport(src: str | None = None) -> Transport:
+def verbs_transport(settings: VerbsSettings) -> Transport:
     """The verbs transport; TransportError (not ImportError) where pyverbs is missing."""
     try:
         from rpmemfs.transport.verbs import VerbsTransport
     except ImportError as exc:
         raise TransportError("rdma", f"the verbs transport needs pyverbs (rdma-core): {exc}") from None
-    return VerbsTransport(src)
+    return VerbsTransport(settings)
 
 
 class AutoTransport:
@@ -34,15 +33,16 @@ class AutoTransport:
 
     name = "auto"
 
-    def __init__(self, src: str | None = None) -> None:
-        self.src = src
+    def __init__(self, settings: VerbsSettings) -> None:
+        self.settings = settings
 
     async def connect(
         self, address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
     ) -> Session:
         if rdma_devices():
             try:
-                return await verbs_transport(self.src).connect(address, token, lanes=lanes, timeout=timeout)
+                verbs = verbs_transport(self.settings)
+                return await verbs.connect(address, token, lanes=lanes, timeout=timeout)
             except TransportError as exc:
                 # A refusal by a target that serves TCP only, or pyverbs missing here: TCP
                 # reaches it too. A dead target fails the TCP attempt below the same way.
@@ -50,15 +50,16 @@ class AutoTransport:
         return await TcpTransport().connect(address, token, lanes=lanes, timeout=timeout)
 
 
-def transport_for(kind: str, src: str | None = None) -> Transport:
-    """The transport a replica address asks for: "tcp", "rdma" or "auto". Verbs connections
-    start from ``src``, else from $RPMEMFS_RDMA_SRC, else wherever the routing table says
-    (which picks the device)."""
-    src = src or os.environ.get("RPMEMFS_RDMA_SRC") or None
+def transport_for(kind: str, src: str | None = None, settings: VerbsSettings | None = None) -> Transport:
+    """The transport a replica address asks for: "tcp", "rdma" or "auto". Verbs runs with
+    ``settings``, else with those of the environment; its connections start from ``src``,
+    else from $RPMEMFS_RDMA_SRC, else wherever the routing table says (which picks the device)."""
     if kind == "tcp":
         return TcpTransport()
-    if kind == "rdma":
-        return verbs_transport(src)
-    if kind == "auto":
-        return AutoTransport(src)
-    raise ValueError(f"unknown transport {kind!r}")
+    if kind not in ("rdma", "auto"):
+        raise ValueError(f"unknown transport {kind!r}")
+    if settings is None:
+        settings = VerbsSettings.from_env(src)
+    elif src:
+        settings = replace(settings, src=src)
+    return verbs_transport(settings) if kind == "rdma" else AutoTransport(settings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import trio
@@ -41,6 +42,29 @@ from rpmemfs.transport.wire import (
 SEND_BUFFER = 4 << 20
 _REPLY_LIMITS = {Op.READ_RESP: MAX_READ, Op.SEND_REPLY: MAX_SEND, Op.ERROR: MAX_ERROR_TEXT}
 _NETWORK_ERRORS = (OSError, PeerClosed, WireError, trio.ClosedResourceError, trio.BrokenResourceError)
+# What may interrupt a step of a connection; Connection._failed turns each into its loss.
+_INTERRUPTIONS = (trio.TooSlowError, trio.Cancelled, *_NETWORK_ERRORS)
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What a connection was doing, in the words its loss is reported with."""
+
+    waiting: str  # "timed out after Ns <waiting>"
+    lost: str  # "<lost>: <the error>"
+    # The reason a cancellation leaves: part of a frame may be on the wire, or a reply on its
+    # way with nobody to consume it, so the stream cannot be trusted to resync. None: the
+    # step's caller discards the connection itself.
+    cancelled: str | None
+
+
+_SENDING = _Step("sending to the target", "connection lost while sending",
+                 "an operation was cancelled while sending")
+_CALLING = _Step("waiting for the target", "connection lost",
+                 "an operation was cancelled while waiting for the target")
+_REPLYING = _Step("waiting for the target's reply", "connection lost",
+                  "an operation was cancelled while waiting for its reply")
+_HANDSHAKE = _Step("in the handshake", "connection lost in the handshake", None)
 
 
 def _error_reason(payload: bytes, code: int) -> str:
@@ -97,6 +121,17 @@ class Connection:
         self.check()
         raise AssertionError("unreachable")
 
+    def _failed(self, exc: BaseException, step: _Step) -> NoReturn:
+        """``exc`` interrupted ``step``: the connection is lost (TransportError), or for a
+        cancellation lost and the cancellation goes on."""
+        if isinstance(exc, trio.TooSlowError):
+            self._fail(f"timed out after {self.timeout:g}s {step.waiting}")
+        if isinstance(exc, trio.Cancelled):
+            if step.cancelled is not None:
+                self.lose(step.cancelled)
+            raise exc
+        self._fail(f"{step.lost}: {exc}")  # where it was lost already, the first reason stands
+
     async def _send(self, bufs: list[Buffer]) -> int:
         # Frames of concurrent senders must not interleave. The lock is taken without a
         # scheduling round trip when it is free, which is the common case.
@@ -133,15 +168,8 @@ class Connection:
         try:
             with trio.fail_after(self.timeout):
                 return await self._send(bufs)
-        except trio.TooSlowError:
-            self._fail(f"timed out after {self.timeout:g}s sending to the target")
-        except _NETWORK_ERRORS as exc:
-            self.check()
-            self._fail(f"connection lost while sending: {exc}")
-        except trio.Cancelled:
-            # Part of a frame may be on the wire; the stream cannot be trusted to resync.
-            self.lose("an operation was cancelled while sending")
-            raise
+        except _INTERRUPTIONS as exc:
+            self._failed(exc, _SENDING)
 
     def send_nowait(self, bufs: list[Buffer]) -> tuple[list[Buffer], int, bool]:
         """Send what the socket takes now, without waiting.
@@ -159,7 +187,7 @@ class Connection:
             rest, calls = send_nowait(self.io, bufs)
         except OSError as exc:
             self._send_lock.release()
-            self._fail(f"connection lost while sending: {exc}")
+            self._failed(exc, _SENDING)
         locked = bool(rest) and calls > 0
         if not locked:
             self._send_lock.release()
@@ -182,7 +210,7 @@ class Connection:
             sent, total = send(self.io.fileno())
         except OSError as exc:
             self._send_lock.release()
-            self._fail(f"connection lost while sending: {exc}")
+            self._failed(exc, _SENDING)
         if sent == total or not sent:
             # All out, or nothing: either way no frame is cut in half, so the lock goes.
             self._send_lock.release()
@@ -202,14 +230,8 @@ class Connection:
                     return await send_all(self.io, rest)
                 finally:
                     self._send_lock.release()
-        except trio.TooSlowError:
-            self._fail(f"timed out after {self.timeout:g}s sending to the target")
-        except _NETWORK_ERRORS as exc:
-            self.check()
-            self._fail(f"connection lost while sending: {exc}")
-        except trio.Cancelled:
-            self.lose("an operation was cancelled while sending")
-            raise
+        except _INTERRUPTIONS as exc:
+            self._failed(exc, _SENDING)
 
     def reply_nowait(self, id_: int) -> tuple[Frame, bytes] | None:
         """The reply to ``id_`` if the socket already holds all of it, else None; never waits."""
@@ -229,8 +251,7 @@ class Connection:
                     reader.take(HEADER_SIZE)
                     self._stash_reply(frame, bytes(reader.take(frame.length)))
             except (OSError, PeerClosed, WireError) as exc:
-                self.check()
-                self._fail(f"connection lost: {exc}")
+                self._failed(exc, _REPLYING)
         frame, payload = self._stash.pop(id_)
         if frame.op == Op.ERROR:
             raise TransportError(self.peer, _error_reason(payload, frame.imm), code=frame.imm)
@@ -247,15 +268,8 @@ class Connection:
             with trio.fail_after(self.timeout):
                 calls = await self._send(bufs)
                 frame, payload = await self._await_reply(id_)
-        except trio.TooSlowError:
-            self._fail(f"timed out after {self.timeout:g}s waiting for the target")
-        except _NETWORK_ERRORS as exc:
-            self.check()
-            self._fail(f"connection lost: {exc}")
-        except trio.Cancelled:
-            # The request may be out and its reply on the way, with nobody to consume it.
-            self.lose("an operation was cancelled while waiting for the target")
-            raise
+        except _INTERRUPTIONS as exc:
+            self._failed(exc, _CALLING)
         return calls, frame, payload
 
     async def reply(self, id_: int) -> tuple[Frame, bytes]:
@@ -264,14 +278,8 @@ class Connection:
         try:
             with trio.fail_after(self.timeout):
                 return await self._await_reply(id_)
-        except trio.TooSlowError:
-            self._fail(f"timed out after {self.timeout:g}s waiting for the target's reply")
-        except _NETWORK_ERRORS as exc:
-            self.check()
-            self._fail(f"connection lost: {exc}")
-        except trio.Cancelled:
-            self.lose("an operation was cancelled while waiting for its reply")
-            raise
+        except _INTERRUPTIONS as exc:
+            self._failed(exc, _REPLYING)
 
     async def _read_one(self) -> None:
         frame = await self.reader.header()
@@ -308,11 +316,8 @@ class Connection:
                 answer = auth.initiator_proof(token, client_nonce, server_nonce)
                 await send_all(self.io, [Frame(Op.AUTH, length=PROOF_SIZE).pack(), answer])
                 frame, payload = await self._handshake_frame(Op.OK, MAX_SEND)
-        except trio.TooSlowError:
-            self._fail(f"timed out after {self.timeout:g}s in the handshake")
-        except _NETWORK_ERRORS as exc:
-            self.check()
-            self._fail(f"connection lost in the handshake: {exc}")
+        except _INTERRUPTIONS as exc:
+            self._failed(exc, _HANDSHAKE)
         if len(payload) < SESSION_ID_SIZE:
             self._fail("target's OK is too short to hold a session id")
         try:

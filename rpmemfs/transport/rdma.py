@@ -36,7 +36,7 @@ from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
 from rpmemfs.native import ffi
-from rpmemfs.transport.choose import rdma_devices
+from rpmemfs.transport.verbs_config import rdma_devices
 
 T = TypeVar("T")
 

@@ -41,6 +41,9 @@ from rpmemfs.transport.sockio import Buffer
 from rpmemfs.transport.wire import (
     ATOMIC_SIZE,
     F_FLUSH,
+    FLUSH_COUNT_SIZE,
+    FLUSH_RANGE_SIZE,
+    FLUSH_READ_SIZE,
     HEADER_SIZE,
     MAX_CONTROL,
     MAX_FLUSH_RANGES,
@@ -54,8 +57,6 @@ from rpmemfs.transport.wire import (
     encode_flush,
     pack_header,
 )
-
-FLUSH_READ_SIZE = 8
 
 
 @dataclass(slots=True)
@@ -199,7 +200,7 @@ class TcpLane:
         first = conn.new_ids(n + 1)
         pairs = ffi.new("uint64_t[]", [x for r in ranges for x in r])
         hdrs = ffi.new("uint8_t[]", HEADER_SIZE * (n + 1))
-        flist = ffi.new("uint8_t[]", 4 + 16 * n)
+        flist = ffi.new("uint8_t[]", FLUSH_COUNT_SIZE + FLUSH_RANGE_SIZE * n)
         total = ffi.new("uint64_t *")
 
         def send(fd: int) -> tuple[int, int]:

@@ -20,17 +20,22 @@ posted through an extended queue pair. One completion
 is awaited per barrier: the READ's, the FLUSH's, or the reply's receive. Waiting is trio
 waiting for the completion channel's descriptor, after a short busy poll of the completion
 queue.
+
+Why this module is long: a lane is one state machine (send queue slots, request credits,
+tickets waiting to be posted, replies by sequence number) whose posting half and completion
+half change together, and the session beside it opens those lanes and lends them its
+protection domain and registrations; split apart, each half would reach into the other's
+state. pyverbs plumbing that does not need that state is in rdma.py already.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -56,19 +61,12 @@ from rpmemfs.transport.base import (
 )
 from rpmemfs.transport.tcp import TcpSession
 from rpmemfs.transport.tcp import connect as tcp_connect
-from rpmemfs.transport.wire import ATOMIC_SIZE
+from rpmemfs.transport.verbs_config import VerbsSettings
+from rpmemfs.transport.wire import ATOMIC_SIZE, FLUSH_READ_SIZE
 
 log = logging.getLogger("rpmemfs.transport.verbs")
 
 RESOLVE_MS = 5000
-FLUSH_READ_SIZE = 8
-# Busy-poll the completion queue this long before sleeping on the channel: a wake-up from
-# epoll costs more than most barriers (see docs/verbs.md for the measurements).
-SPIN_S = int(os.environ.get("RPMEMFS_VERBS_SPIN_US", "1000")) / 1e6
-# "read" keeps the 8-byte READ as the appliance flush even where native FLUSH is available,
-# and lanes plain queue pairs (on rxe under emulation a FLUSH-ended barrier measured 0.73x of
-# a READ-ended one).
-NATIVE_FLUSH = os.environ.get("RPMEMFS_VERBS_FLUSH", "native") != "read"
 
 
 @dataclass(eq=False)
@@ -125,7 +123,7 @@ class VerbsLane:
     """One queue pair to the target (see rpmemfs.transport.base.Lane)."""
 
     def __init__(self, peer: str, events: rdma.EventChannel, cmid: Any, qp: rdma.QueuePair,
-                 local: _LocalRegions, credits: int, timeout: float) -> None:
+                 local: _LocalRegions, credits: int, timeout: float, spin_us: int) -> None:
         self.peer = peer
         self.stats = LaneStats()
         self._events = events
@@ -133,6 +131,7 @@ class VerbsLane:
         self._qp = qp
         self._local = local
         self._timeout = timeout
+        self._spin_s = spin_us / 1e6
         self._credits = credits
         self._lost: str | None = None
         self._next_wr = 0
@@ -241,7 +240,7 @@ class VerbsLane:
         self._drain()
         if ready():
             return
-        spin_until = time.monotonic() + SPIN_S
+        spin_until = time.monotonic() + self._spin_s
         while time.monotonic() < spin_until:
             self._drain()
             if ready():
@@ -610,11 +609,11 @@ class VerbsSession:
     """A session with one target: the TCP control connection and the queue pairs."""
 
     def __init__(self, control: TcpSession, host: str, port: int, info: dict[str, Any], timeout: float,
-                 src: str | None) -> None:
+                 settings: VerbsSettings) -> None:
         self._control = control
         self._host = host
         self._port = port
-        self._src = src
+        self._settings = settings
         self.peer = control.peer
         self.info = {**control.info, "transport": "rdma", **info}
         self.timeout = timeout
@@ -645,7 +644,7 @@ class VerbsSession:
         cmid = events.create_id()
         qp = None
         try:
-            rai = rdma.AddrInfo(src=self._src, dst=self._host, dst_service=str(self._port),
+            rai = rdma.AddrInfo(src=self._settings.src, dst=self._host, dst_service=str(self._port),
                                 port_space=rdma.PORT_SPACE)
             cmid.resolve_addr(rai, RESOLVE_MS)
             await self._expect(events, rdma.ce.RDMA_CM_EVENT_ADDR_RESOLVED, "resolving the address")
@@ -660,7 +659,7 @@ class VerbsSession:
             elif dev != self.device:
                 raise TransportError(self.peer, f"lanes of one session on two devices ({self.device}, {dev})")
             qp = None
-            flush = NATIVE_FLUSH and self.info.get("flush") and rdma.qpex_has_flush()
+            flush = self._settings.native_flush and self.info.get("flush") and rdma.qpex_has_flush()
             if flush and rdma.flush_access(self._ctx):
                 try:
                     qp = rdma.QueuePair(cmid, self._ctx, self._pd, send_depth=rdma.SEND_DEPTH,
@@ -682,7 +681,7 @@ class VerbsSession:
             cmid.establish()
             assert self._pd is not None and self._local is not None
             lane = VerbsLane(self.peer, events, cmid, qp, self._local, min(credits, self._credits),
-                             self.timeout)
+                             self.timeout, self._settings.spin_us)
         except BaseException as exc:
             if qp is not None:
                 qp.close()
@@ -697,7 +696,7 @@ class VerbsSession:
     @property
     def native_flush(self) -> bool:
         """Whether this session's barriers to an appliance target end in a native RDMA FLUSH:
-        every lane can post one (both ends have it, and RPMEMFS_VERBS_FLUSH is not "read")."""
+        every lane can post one (both ends have it, and the settings allow it)."""
         return bool(self.lanes) and all(lane.native_flush for lane in self.lanes)
 
     def _region(self, reply: RemoteRegion, raw: dict[str, Any]) -> RemoteRegion:
@@ -767,10 +766,16 @@ class VerbsSession:
 
 async def connect(
     address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT,
-    src: str | None = None,
+    src: str | None = None, settings: VerbsSettings | None = None,
 ) -> VerbsSession:
     """A session with the target at ``address`` (HOST:PORT): control over TCP, ``lanes``
-    queue pairs over rdmacm (from ``src``, a local address, when given)."""
+    queue pairs over rdmacm (from ``src``, a local address, when given). Without
+    ``settings`` (a caller that builds no transport, such as ``rpmemfs bench verbs``), those
+    of the environment."""
+    if settings is None:
+        settings = VerbsSettings.from_env(src)
+    elif src:
+        settings = replace(settings, src=src)
     why = rdma.available()
     if why is not None:
         raise TransportError(address, f"cannot use RDMA here: {why}")
@@ -781,7 +786,7 @@ async def connect(
     control = await tcp_connect(address, token, lanes=0, timeout=timeout)
     try:
         info = await control.control({"op": "rdma"})
-        session = VerbsSession(control, host, int(info.get("port", port)), info, timeout, src)
+        session = VerbsSession(control, host, int(info.get("port", port)), info, timeout, settings)
     except BaseException:
         await control.aclose()
         raise
@@ -796,21 +801,22 @@ async def connect(
 
 
 class VerbsTransport:
-    """The verbs transport as an object; ``src`` picks the local address (and so the device)."""
+    """The verbs transport as an object, running with ``settings`` (its ``src`` picks the
+    local address, and so the device)."""
 
     name = "rdma"
 
-    def __init__(self, src: str | None = None) -> None:
-        self.src = src
+    def __init__(self, settings: VerbsSettings) -> None:
+        self.settings = settings
 
     async def connect(
         self, address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
     ) -> VerbsSession:
-        return await connect(address, token, lanes=lanes, timeout=timeout, src=self.src)
+        return await connect(address, token, lanes=lanes, timeout=timeout, settings=self.settings)
 
 
 if TYPE_CHECKING:
-    _transport: Transport = VerbsTransport()
+    _transport: Transport = VerbsTransport(VerbsSettings())
 
     def _is_session(s: VerbsSession) -> Session:
         return s

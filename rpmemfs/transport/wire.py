@@ -5,6 +5,13 @@ then ``length`` payload bytes for the ops that carry one. The header never chang
 within a version, so a receiver always knows how much to read before it knows anything else;
 that is what lets the target's receive loop move into a C thread later without touching the
 initiators.
+
+This module is the one definition of the format. The C side (native/rpmem_lane.c: the
+target's lane loop and the initiator's barrier builder) includes native/rpmem_wire.h, which
+native/wire_header.py generates from this module whenever the native helper is built, and
+tests/unit/test_wire_header.py fails when the compiled helper and this module disagree. The
+build loads this file on its own, before the package can be imported, so it imports the
+standard library only.
 """
 
 from __future__ import annotations
@@ -16,8 +23,12 @@ from dataclasses import dataclass
 VERSION = 1
 HELLO_MAGIC = b"RPMWIRE\x00"
 
-# op u8, flags u8, reserved u16, key u32, offset u64, length u32, id u32, imm u64
-HEADER = struct.Struct("<BBHIQIIQ")
+# The frame header, field by field (name, struct code); C gets it as struct rpm_wire_hdr.
+HEADER_FIELDS = (
+    ("op", "B"), ("flags", "B"), ("reserved", "H"), ("key", "I"),
+    ("offset", "Q"), ("length", "I"), ("id", "I"), ("imm", "Q"),
+)
+HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 
@@ -39,11 +50,16 @@ MAX_SEND = 4 << 20
 MAX_CONTROL = 64 << 10
 MAX_ERROR_TEXT = 4096
 ATOMIC_SIZE = 8
+# An appliance flush is a READ of this many bytes at offset 0 of the pool.
+FLUSH_READ_SIZE = 8
 
 # A GPSPM flush message: u32 count, then count x (u64 offset, u64 length).
 FLUSH_COUNT = struct.Struct("<I")
-FLUSH_RANGE = struct.Struct("<QQ")
-MAX_FLUSH_RANGES = (MAX_SEND - FLUSH_COUNT.size) // FLUSH_RANGE.size
+FLUSH_RANGE_FIELDS = (("offset", "Q"), ("length", "Q"))
+FLUSH_RANGE = struct.Struct("<" + "".join(code for _, code in FLUSH_RANGE_FIELDS))
+FLUSH_COUNT_SIZE = FLUSH_COUNT.size
+FLUSH_RANGE_SIZE = FLUSH_RANGE.size
+MAX_FLUSH_RANGES = (MAX_SEND - FLUSH_COUNT_SIZE) // FLUSH_RANGE_SIZE
 
 
 class Op(enum.IntEnum):
