@@ -64,19 +64,19 @@ fi
 
 # Byte-compile on the host, where it is quick: under TCG, compiling a module costs seconds.
 for p in "$py" ${kernel612:+vm/venv59/bin/python}; do
-    "$p" -m compileall -q rpmemfs tests/verbs tests/test_lanes.py tests/conftest.py tests/helpers.py >/dev/null
+    "$p" -m compileall -q rpmemfs tests/verbs tests/e2e/test_lanes.py tests/e2e/conftest.py tests/e2e/helpers.py >/dev/null
 done
 
 [ "${1:-}" = --setup-only ] && exit 0
 
 # tests/verbs: raw pyverbs between two processes, and one mount replicated over verbs;
-# tests/test_lanes.py: the transport-level cases shared with TCP, their rdma half.
+# tests/e2e/test_lanes.py: the transport-level cases shared with TCP, their rdma half.
 run_tests() {  # KERNEL (empty: the default) PYTHON PYTEST-ARGS...
     local kernel=$1 python=$2
     shift 2
     echo "verbs tests: kernel ${kernel:-$(cat vm/kernel/default)}, $python" >&2
     env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" vm/run.sh "$python" -m pytest -q -p no:cacheprovider \
-        tests/verbs "tests/test_lanes.py" -k "rdma or not test_lanes" "$@"
+        tests/verbs tests/e2e/test_lanes.py -k "rdma or not test_lanes" "$@"
 }
 rc=0
 if [ "$STACK" != flush ]; then

@@ -9,6 +9,6 @@ scripts/install.sh --test
 if [ $# -eq 0 ]; then
     # The fast tier first (no FUSE, no root, no other process: seconds), then end to end.
     .venv/bin/python -m pytest -q tests/unit
-    exec .venv/bin/python -m pytest -q --ignore=tests/unit
+    exec .venv/bin/python -m pytest -q tests/e2e
 fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from rpmemfs.fs import records as R
 from rpmemfs.fs.errors import MkfsError
+from rpmemfs.fs.log import Ranges
 from rpmemfs.fs.replay import ROOT_INO
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import (
@@ -38,6 +39,26 @@ def _zero(fd: int, size: int, progress: Callable[[int, int], None] | None) -> No
         done += n
         if progress:
             progress(done, size)
+
+
+def format_pool(buf: memoryview, hdr: Header, uid: int, gid: int) -> Ranges:
+    """Write an empty filesystem (a root directory owned by uid:gid) into ``buf``, zero-filled
+    and ``hdr.pool_size`` bytes long; returns the ranges to persist. mkfs does it on the mapped
+    file; the unit tests do it on memory."""
+    now = time.time_ns()
+    payload = b"".join([
+        R.next_ino(ROOT_INO + 1),
+        R.inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 2, 0, 0, now, now, now),
+    ])
+    base = hdr.area_off(0)
+    rec = R.frame(1, payload)
+    buf[base + AREA_RECORDS_OFF: base + AREA_RECORDS_OFF + len(rec)] = rec
+    ah = AreaHeader(1, 1, 1, hdr.uuid).encode()
+    buf[base: base + len(ah)] = ah
+    raw = hdr.encode()
+    buf[BACKUP_OFF: BACKUP_OFF + len(raw)] = raw
+    buf[HEADER_OFF: HEADER_OFF + len(raw)] = raw
+    return [(0, hdr.data_off), *format_map(buf, hdr)]
 
 
 def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid: int | None = None,
@@ -71,23 +92,8 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         raise
     os.close(fd)
     with PoolMapping.open(path, "msync") as pm:
-        buf = pm.buf
-        now = time.time_ns()
-        root_mode = stat.S_IFDIR | 0o755
-        payload = b"".join([
-            R.next_ino(ROOT_INO + 1),
-            R.inode(ROOT_INO, root_mode, os.getuid() if uid is None else uid,
-                    os.getgid() if gid is None else gid, 2, 0, 0, now, now, now),
-        ])
-        base = hdr.area_off(0)
-        rec = R.frame(1, payload)
-        buf[base + AREA_RECORDS_OFF: base + AREA_RECORDS_OFF + len(rec)] = rec
-        ah = AreaHeader(1, 1, 1, hdr.uuid).encode()
-        buf[base: base + len(ah)] = ah
-        raw = hdr.encode()
-        buf[BACKUP_OFF: BACKUP_OFF + len(raw)] = raw
-        buf[HEADER_OFF: HEADER_OFF + len(raw)] = raw
-        pm.persist([(0, hdr.data_off), *format_map(buf, hdr)])
+        pm.persist(format_pool(pm.buf, hdr, os.getuid() if uid is None else uid,
+                               os.getgid() if gid is None else gid))
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

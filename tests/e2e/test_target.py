@@ -1,6 +1,6 @@
 """The target daemon under hostile and unusual conditions, as a real process.
 
-Raw connections here speak the wire format by hand (tests/test_target.py's RawConn), so they
+Raw connections here speak the wire format by hand (tests/e2e/test_target.py's RawConn), so they
 can send what no well-behaved initiator would; a real initiator (rpmemfs.transport.connect)
 connected at the same time must keep working through all of it.
 """

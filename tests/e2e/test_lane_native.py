@@ -4,7 +4,7 @@ Every target here is a real `python -m rpmemfs.target` process on loopback with 
 /dev/shm. The same traffic runs against `--datapath c` and `--datapath python`: whatever the C
 loop serves itself (WRITE, READ, ATOMIC_WRITE, flush SENDs) and whatever it hands back to the
 Python loop (control SENDs, large flush lists, every violation) must look the same on the wire,
-in the pool file and in the target's counters. Raw connections use tests/test_target.py's
+in the pool file and in the target's counters. Raw connections use tests/e2e/test_target.py's
 RawConn to send what no well-behaved initiator would, or to send it a few bytes at a time.
 """
 

@@ -18,7 +18,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import Mount, cli, describe, mkfs  # noqa: E402
+from helpers import (  # noqa: E402
+    Mount,
+    cli,
+    collect_garbage_in_vm,  # noqa: F401  (an autouse fixture in the VM)
+    describe,
+    mkfs,
+)
 
 from rpmemfs.tools.processes import TargetProcess, detach_all_under  # noqa: E402
 
@@ -30,18 +36,6 @@ WATCHDOG_SECONDS = 180.0
 
 MakePool = Callable[..., Path]
 MountPool = Callable[..., Mount]
-
-
-@pytest.fixture(autouse=bool(os.environ.get("RXE_VM")))
-def _collect_verbs_garbage() -> Iterator[None]:
-    """In the VM: collect each test's garbage right after it. Once in three runs, pyverbs
-    objects (closed already) left in reference cycles until pytest's final collection
-    crashed the interpreter there, after every test had passed; collecting per test has not
-    crashed. Not understood yet (pyverbs 44 freeing dependents in dealloc order?)."""
-    import gc
-
-    yield
-    gc.collect()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_check_clean, cli, is_mounted, mkfs, pool_content, wait_until, write_fsync
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "mount" / "mount.rpmemfs"
 SBIN_HELPER = Path("/sbin/mount.fuse.rpmemfs")
 RPMEMFS_BIN = str(Path(sys.executable).parent / "rpmemfs")

@@ -1,0 +1,468 @@
+"""The replica set over an in-memory transport: barriers, the min_replicas policy, and what
+happens when a replica stops answering, answers late, out of order or with an error, or drops
+its connection and comes back.
+
+Only the replica set's public face is used (ReplicaSet.open/post/complete/barrier/keep/status/
+aclose/in_sync/replicas, Replica.state/last_error). Time is trio's MockClock: a timeout costs
+no real time, and durations are exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from mempool import new_pool
+from memtransport import MemTarget, MemTransport
+
+from rpmemfs.pool.layout import BLOCK, Header
+from rpmemfs.pool.syncmap import SyncMap
+from rpmemfs.replica import ReplicaError, ReplicaSet, ReplicaSpec
+
+TIMEOUT = 2.0
+NAME = "app"
+
+
+def run(fn: Callable[[], Awaitable[Any]]) -> Any:
+    return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+class Rig:
+    """A local pool in memory with its sync map, and targets holding copies of it."""
+
+    def __init__(self, n: int = 3) -> None:
+        self.buf, self.hdr = new_pool()
+        self.local = memoryview(self.buf)
+        self.map_persists: list[list[tuple[int, int]]] = []
+        self.syncmap = SyncMap(self.local, self.hdr, self.map_persists.append)
+        self.syncmap.start(self.hdr, n)
+        self.transport = MemTransport()
+        self.targets = [self.transport.add(MemTarget(f"10.0.0.{i + 1}:7420", "apm" if i == 0 else "gpspm"))
+                        for i in range(n)]
+        content = bytes(self.buf[: self.hdr.map_off])
+        for t in self.targets:
+            t.pools[NAME] = bytearray(content) + bytearray(len(self.buf) - len(content))
+        self.specs = [ReplicaSpec.make(t.address, NAME) for t in self.targets]
+
+    async def open(self, min_replicas: int | None = None, timeout: float = TIMEOUT) -> ReplicaSet:
+        return await ReplicaSet.open(self.specs, self.local, self.hdr.uuid, None, lanes=2, timeout=timeout,
+                                     min_replicas=min_replicas, transport=self.transport,
+                                     syncmap=self.syncmap)
+
+    def scribble(self, ranges: list[tuple[int, int]]) -> None:
+        """Change the local pool there (as the filesystem would before a durability point)."""
+        for off, n in ranges:
+            self.buf[off: off + n] = os.urandom(n)
+
+    def replica_holds(self, i: int, ranges: list[tuple[int, int]]) -> bool:
+        pool = self.targets[i].pools[NAME]
+        return all(pool[o: o + n] == self.buf[o: o + n] for o, n in ranges)
+
+    def identical(self, i: int) -> bool:
+        return self.targets[i].pools[NAME][: self.hdr.map_off] == self.buf[: self.hdr.map_off]
+
+    def chunks(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The sync map chunks ranges touch, as merged runs."""
+        size = self.syncmap.chunk
+        hit = sorted({c for o, n in ranges for c in range(o // size, (o + n - 1) // size + 1)})
+        runs: list[tuple[int, int]] = []
+        for c in hit:
+            if runs and runs[-1][0] + runs[-1][1] == c * size:
+                runs[-1] = (runs[-1][0], runs[-1][1] + size)
+            else:
+                runs.append((c * size, size))
+        return runs
+
+
+def data(hdr: Header, block: int, n: int = BLOCK, skip: int = 0) -> tuple[int, int]:
+    return (hdr.data_off + block * BLOCK + skip, n)
+
+
+async def until(cond: Callable[[], bool], limit: float = 60.0) -> None:
+    """Wait (in trio time) until cond() holds."""
+    with trio.fail_after(limit):
+        while not cond():
+            await trio.sleep(0.01)
+
+
+def states(rs: ReplicaSet) -> list[str]:
+    return [r.state for r in rs.replicas]
+
+
+# ------------------------------------------------------------------ healthy replicas
+
+
+def test_barrier_places_exactly_the_ranges_on_every_replica() -> None:
+    async def main() -> None:
+        rig = Rig(3)
+        rs = await rig.open()
+        assert states(rs) == ["in-sync"] * 3 and len(rs.in_sync) == 3
+        hdr = rig.hdr
+        ranges = [data(hdr, 3, 5000, skip=100), data(hdr, 40, 10), (hdr.area_off(0) + 4096, 300)]
+        elsewhere = [data(hdr, 20), data(hdr, 3, 50, skip=0)]  # changed, not asked for
+        rig.scribble(ranges + elsewhere)
+        before = [bytearray(t.pools[NAME]) for t in rig.targets]
+        marks = [len(t.ops) for t in rig.targets]
+        await rs.barrier(ranges)
+        for i, t in enumerate(rig.targets):
+            assert t.writes(marks[i]) == ranges  # these bytes, in this order, nothing else
+            assert t.flushes(marks[i]) == 1  # and exactly one flush
+            want = before[i]
+            for o, n in ranges:
+                want[o: o + n] = rig.buf[o: o + n]
+            assert t.pools[NAME] == want
+        st = rs.status()
+        assert [r["barriers"] for r in st] == [1, 1, 1]
+        assert [r["bytes"] for r in st] == [5310] * 3
+        assert [r["method"] for r in st] == ["apm", "gpspm", "gpspm"]
+        # An empty barrier reaches nobody.
+        marks = [len(t.ops) for t in rig.targets]
+        await rs.barrier([])
+        assert [len(t.ops) for t in rig.targets] == marks
+        await rs.aclose()
+        assert all(t.sessions == [] for t in rig.targets)
+
+    run(main)
+
+
+def test_a_range_outside_the_pool_is_refused_before_anything_is_sent() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        marks = [len(t.ops) for t in rig.targets]
+        with pytest.raises(ValueError, match="outside the local pool"):
+            await rs.barrier([(len(rig.buf) - 10, 20)])
+        assert [len(t.ops) for t in rig.targets] == marks
+        assert states(rs) == ["in-sync"] * 2
+        await rs.aclose()
+
+    run(main)
+
+
+def test_slow_replies_within_the_timeout_are_waited_for() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        rig.targets[1].delay(1.5)
+        ranges = [data(rig.hdr, 1)]
+        rig.scribble(ranges)
+        t0 = trio.current_time()
+        await rs.barrier(ranges)
+        assert trio.current_time() - t0 == pytest.approx(1.5)
+        assert states(rs) == ["in-sync"] * 2
+        assert rig.replica_holds(1, ranges)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_pipelined_barriers_answered_out_of_order_all_complete() -> None:
+    """Replies to later barriers arrive before those to earlier ones (each fsync waits for
+    its own): every barrier completes, nobody falls out of sync."""
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        rig.targets[0].reply_delays([0.5, 0.3, 0.1])
+        rig.targets[1].reply_delays([0.4, 0.05, 0.2])
+        batches = [[data(rig.hdr, 10 * i + 1, 100)] for i in range(3)]
+        flights = []
+        for ranges in batches:
+            rig.scribble(ranges)
+            flights.append(rs.post(ranges))
+        done: list[tuple[int, float]] = []
+
+        async def complete(i: int) -> None:
+            await rs.complete(flights[i])
+            done.append((i, trio.current_time()))
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(complete, i)
+        assert [i for i, _ in done] == [2, 1, 0]  # the slower replica decides each
+        assert [round(t - t0, 3) for _, t in done] == [0.2, 0.3, 0.5]
+        assert states(rs) == ["in-sync"] * 2
+        for i in range(2):
+            assert rig.replica_holds(i, [r for b in batches for r in b])
+            assert rig.targets[i].flushes() == 3
+        await rs.aclose()
+
+    run(main)
+
+
+# ------------------------------------------------------------------ failures and the policy
+
+
+def test_an_error_reply_with_min_replicas_1_leaves_that_replica_stale_and_marked() -> None:
+    async def main() -> None:
+        rig = Rig(3)
+        rs = await rig.open(min_replicas=1)
+        rig.targets[1].fail_flushes(1, "persist failed: Input/output error")
+        first = [data(rig.hdr, 2), data(rig.hdr, 300, 10)]
+        rig.scribble(first)
+        await rs.barrier(first)  # enough replicas acknowledged it
+        assert states(rs) == ["in-sync", "stale", "in-sync"]
+        bad = rs.replicas[1]
+        assert bad.last_error is not None and "persist failed: Input/output error" in bad.last_error
+        assert str(rig.specs[1]) in bad.last_error
+        assert rs.status()[1]["state"] == "stale" and rs.status()[1]["last_error"] == bad.last_error
+        assert [r.spec for r in rs.in_sync] == [rig.specs[0], rig.specs[2]]
+        # What it missed is in the sync map (its own slot only), before barrier() returned.
+        assert rig.syncmap.count(1) == len(rig.chunks(first))
+        assert rig.syncmap.count(0) == rig.syncmap.count(2) == 0
+        assert rig.map_persists, "the marks were persisted"
+        # Later barriers go to the others only, and are marked for it too.
+        mark = len(rig.targets[1].ops)
+        second = [data(rig.hdr, 600)]
+        rig.scribble(second)
+        await rs.barrier(second)
+        assert len(rig.targets[1].ops) == mark
+        assert rig.syncmap.count(1) == len(rig.chunks(first + second))
+        assert rig.replica_holds(0, first + second) and rig.replica_holds(2, first + second)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_an_error_reply_with_min_replicas_2_of_2_fails_the_barrier() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=2)
+        rig.targets[0].fail_flushes(1, "no space left on the target")
+        ranges = [data(rig.hdr, 5)]
+        rig.scribble(ranges)
+        with pytest.raises(ReplicaError) as info:
+            await rs.barrier(ranges)
+        assert info.value.failed == [rs.replicas[0]]
+        msg = str(info.value)
+        assert "1 of 2 replicas, 2 required" in msg and "no space left on the target" in msg
+        assert states(rs) == ["stale", "in-sync"]
+        assert rig.syncmap.count(0) == 1
+        # Until it is back, every barrier is refused at once, and still marked for it.
+        more = [data(rig.hdr, 700)]
+        with pytest.raises(ReplicaError, match="too few replicas in sync"):
+            rs.post(more)
+        assert rig.syncmap.count(0) == 2
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_hung_replica_times_out_within_the_replica_timeout() -> None:
+    async def main() -> None:
+        rig = Rig(3)
+        rs = await rig.open(min_replicas=2)
+        rig.targets[2].hang()
+        ranges = [data(rig.hdr, 7, 100)]
+        rig.scribble(ranges)
+        t0 = trio.current_time()
+        await rs.barrier(ranges)
+        assert trio.current_time() - t0 == pytest.approx(TIMEOUT)
+        assert states(rs) == ["in-sync", "in-sync", "stale"]
+        err = rs.replicas[2].last_error
+        assert err is not None and ("within 2s" in err or "timed out after 2s" in err), err
+        assert rig.replica_holds(0, ranges) and rig.replica_holds(1, ranges)
+        assert rig.syncmap.count(2) == 1
+        # The next barrier does not wait for it any more.
+        t0 = trio.current_time()
+        await rs.barrier([data(rig.hdr, 8)])
+        assert trio.current_time() - t0 == 0
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_hung_replica_with_min_replicas_all_fails_after_the_timeout() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        rig.targets[0].hang()
+        t0 = trio.current_time()
+        with pytest.raises(ReplicaError, match="1 of 2 replicas, 2 required"):
+            await rs.barrier([data(rig.hdr, 1)])
+        assert trio.current_time() - t0 == pytest.approx(TIMEOUT)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_an_acknowledgement_after_an_earlier_failure_on_the_lane_does_not_count() -> None:
+    """Barriers on one lane land in order: once an earlier one failed on a replica, a later
+    one's reply does not prove the replica holds everything before it."""
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=2)
+        rig.targets[1].fail_flushes(1, "persist failed")
+        rig.targets[1].reply_delays([0.1, 0.2])  # the failure arrives first
+        f1 = rs.post([data(rig.hdr, 1)])
+        f2 = rs.post([data(rig.hdr, 2)])
+        results: dict[str, BaseException | None] = {}
+
+        async def complete(name: str, flight: Any) -> None:
+            try:
+                await rs.complete(flight)
+                results[name] = None
+            except ReplicaError as exc:
+                results[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(complete, "f2", f2)
+            nursery.start_soon(complete, "f1", f1)
+        assert isinstance(results["f1"], ReplicaError)
+        assert isinstance(results["f2"], ReplicaError)
+        assert states(rs) == ["in-sync", "stale"]
+        assert rig.syncmap.count(1) == 1  # blocks 1 and 2 share a chunk
+        await rs.aclose()
+
+    run(main)
+
+
+# ------------------------------------------------------------------ coming back
+
+
+def test_a_dropped_replica_reconnects_and_gets_exactly_what_it_missed() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        rs.reconnect_interval = 0.05
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            synced = [data(rig.hdr, 1)]
+            rig.scribble(synced)
+            await rs.barrier(synced)
+            target = rig.targets[1]
+            target.drop()
+            missed = [data(rig.hdr, 100, 3 * BLOCK), (rig.hdr.area_off(0) + 8192, 200)]
+            rig.scribble(missed[:1])
+            await rs.barrier(missed[:1])  # fails on the dropped replica...
+            assert states(rs) == ["in-sync", "stale"]
+            assert "connection lost" in (rs.replicas[1].last_error or "")
+            rig.scribble(missed[1:])
+            await rs.barrier(missed[1:])  # ...and this one is not even sent to it
+            await trio.sleep(1.0)  # reconnection attempts fail meanwhile
+            assert states(rs) == ["in-sync", "stale"]
+            assert rig.syncmap.count(1) == len(rig.chunks(missed))
+            mark = len(target.ops)
+            target.restart()
+            await until(lambda: rs.replicas[1].state == "in-sync")
+            # The resync sent the chunks of what it missed, no more, then joined the barriers.
+            assert target.writes(mark) == rig.chunks(missed)
+            assert rig.identical(1)
+            assert rig.syncmap.count(1) == 0
+            last = rs.status()[1]["last_resync"]
+            assert last["bytes_sent"] == sum(n for _, n in rig.chunks(missed))
+            assert rs.status()[1]["resyncs"] == 2  # at open, and now
+            after = [data(rig.hdr, 200)]
+            rig.scribble(after)
+            mark = len(target.ops)
+            await rs.barrier(after)
+            assert target.writes(mark) == after
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_hung_replica_that_resumes_is_brought_back_by_keep() -> None:
+    async def main() -> None:
+        rig = Rig(3)
+        rs = await rig.open(min_replicas=2, timeout=1.0)
+        rs.reconnect_interval = 0.05
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            rig.targets[0].hang()
+            missed = [data(rig.hdr, 9)]
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            assert states(rs) == ["stale", "in-sync", "in-sync"]
+            await trio.sleep(3.0)  # reconnecting to a hung target times out too
+            assert states(rs)[0] == "stale"
+            assert "not opened within 1s" in (rs.replicas[0].last_error or "")
+            rig.targets[0].resume()
+            await until(lambda: states(rs) == ["in-sync"] * 3)
+            assert rig.identical(0)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+# ------------------------------------------------------------------ the wrong pool
+
+
+def other_pool(size: int | None = None) -> bytearray:
+    buf, _ = new_pool(size) if size else new_pool()
+    return buf
+
+
+@pytest.mark.parametrize(
+    ("pool", "reason"),
+    [
+        (lambda rig: other_pool(), "does not match the local pool uuid"),
+        (lambda rig: other_pool(8 << 20), "remote pool is 8388608 bytes but the local pool is 4194304"),
+        (lambda rig: bytearray(len(rig.buf)), "not an rpmemfs pool"),
+        (None, "cannot open"),
+    ],
+    ids=["uuid", "size", "blank", "missing"],
+)
+def test_a_replica_that_is_not_this_pools_stays_stale_with_the_reason(
+        pool: Callable[[Rig], bytearray] | None, reason: str) -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        if pool is None:
+            del rig.targets[1].pools[NAME]
+        else:
+            rig.targets[1].pools[NAME] = pool(rig)
+        foreign = bytes(rig.targets[1].pools.get(NAME, b""))
+        rs = await rig.open(min_replicas=1)
+        assert states(rs) == ["in-sync", "stale"]
+        err = rs.replicas[1].last_error
+        assert err is not None and reason in err and str(rig.specs[1]) in err, err
+        rs.reconnect_interval = 0.05
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await rs.barrier([data(rig.hdr, 3)])
+            await trio.sleep(2.0)  # retried, refused again each time
+            assert states(rs) == ["in-sync", "stale"]
+            assert reason in (rs.replicas[1].last_error or "")
+            nursery.cancel_scope.cancel()
+        assert bytes(rig.targets[1].pools.get(NAME, b"")) == foreign  # never written to
+        assert rig.targets[1].connects > 2
+        # With both required, the mount could not go on.
+        with pytest.raises(ReplicaError, match="too few replicas in sync"):
+            rs2 = await rig.open(min_replicas=2)
+            try:
+                rs2.post([data(rig.hdr, 3)])
+            finally:
+                await rs2.aclose()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_an_unreachable_replica_at_open_joins_once_it_is_up() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rig.targets[1].drop()
+        rs = await rig.open(min_replicas=1)
+        assert states(rs) == ["in-sync", "stale"]
+        assert "connection refused" in (rs.replicas[1].last_error or "")
+        rs.reconnect_interval = 0.05
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            missed = [data(rig.hdr, 50, 2 * BLOCK)]
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            rig.targets[1].restart()
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert rig.identical(1)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
