@@ -1,12 +1,31 @@
 """The root of every error rpmemfs raises on purpose.
 
-Each layer has one base class that derives from RpmemfsError (PoolFormatError for the pool's
-format, FsError for the filesystem, ReplicaError for replication, TransportError for the
-transports, and so on); a layer's other errors derive from its base. Two edges turn them into
-what a user sees, once each: the FUSE edge (rpmemfs/fuse.py) into an errno, the CLI edge
-(rpmemfs/cli.py) into one line on stderr and a non-zero exit status. Anything else that
-reaches an edge is a bug: EIO and a logged traceback at the FUSE edge, an "internal error"
-line at the CLI edge.
+Each layer has one base class that derives from RpmemfsError, and its other errors derive from
+that base:
+
+| layer | base | others |
+|---|---|---|
+| pool format | PoolFormatError | |
+| persistence | PmemError | |
+| filesystem | FilesystemError | FsError (carries an errno), MkfsError |
+| durability | DurabilityError | |
+| replication | ReplicationError | ReplicaError, PoolSetError, TableError, RepairError |
+| transport | TransportError | TokenError |
+| target daemon | TargetError | StartError, PoolError, PoolNameError |
+| mount daemon | MountError | ProvisionError |
+| tools | SpawnError | |
+
+Two edges turn them into what a user sees, once each: the FUSE edge (rpmemfs/fuse.py) into an
+errno, the CLI edge (rpmemfs/cli.py) into one line on stderr and a non-zero exit status.
+Anything else that reaches an edge is a bug: EIO and a logged traceback at the FUSE edge, an
+"internal error" line at the CLI edge.
+
+Signals that never leave the module pair that uses them stay plain exceptions, because nobody
+outside should catch them: LogFull and OutOfSpace (the filesystem retries or answers ENOSPC),
+NeedSync (the FUSE edge runs a durability point and retries), ReplicaUnusable (the replica is
+marked stale), WireError and VerbsError (a malformed frame: a TransportError on the initiator,
+an error reply or a closed lane on the target), Violation (the target closes the lane), and
+TransitionError (a replica state move the table forbids: a bug).
 """
 
 
