@@ -13,6 +13,7 @@ import trio
 
 from rpmemfs import logs
 from rpmemfs.pmem import PMEM_MODES
+from rpmemfs.target.errors import TargetError
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.server import TargetConfig, serve
 from rpmemfs.transport.address import parse_address
@@ -30,7 +31,7 @@ DEFAULT_PORT = 7420
 DEFAULT_SPIN_US = 1000
 
 
-class StartError(Exception):
+class StartError(TargetError):
     """The target cannot start as configured; the message says what to change."""
 
 

@@ -11,11 +11,13 @@ import os
 import re
 import stat
 
+from rpmemfs.target.errors import TargetError
+
 MAX_NAME = 128
 _ALLOWED = re.compile(r"[A-Za-z0-9._-]+")
 
 
-class PoolNameError(ValueError):
+class PoolNameError(TargetError, ValueError):
     """The name is refused; the message says why, in terms the initiator's user can act on."""
 
 

@@ -13,6 +13,7 @@ from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import Header
+from rpmemfs.target.errors import TargetError
 from rpmemfs.target.names import pool_path
 from rpmemfs.units import human
 
@@ -24,7 +25,7 @@ PAGE = 4096
 THREAD_PERSIST_MIN = 1 << 20
 
 
-class PoolError(Exception):
+class PoolError(TargetError):
     """A pool operation is refused or failed; the message goes back to the initiator."""
 
     def __init__(self, message: str, code: str = "pool") -> None:

@@ -13,7 +13,7 @@ import os
 import secrets
 import stat
 
-from rpmemfs.errors import RpmemfsError
+from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.wire import NONCE_SIZE
 
 _TARGET_LABEL = b"rpmemfs wire v1 target proof\x00"
@@ -21,8 +21,11 @@ _INITIATOR_LABEL = b"rpmemfs wire v1 initiator proof\x00"
 MAX_TOKEN_FILE = 4096
 
 
-class TokenError(RpmemfsError):
+class TokenError(TransportError):
     """The token file cannot be used; the message says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
 
 
 def nonce() -> bytes:

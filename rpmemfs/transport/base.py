@@ -34,7 +34,7 @@ class TransportError(RpmemfsError):
     """
 
     def __init__(self, peer: str, reason: str, *, code: int | None = None, lane_lost: bool = False) -> None:
-        super().__init__(f"{peer}: {reason}")
+        super().__init__(f"{peer}: {reason}" if peer else reason)
         self.peer = peer
         self.reason = reason
         self.code = code
