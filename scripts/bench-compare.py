@@ -51,8 +51,8 @@ def main() -> int:
             for target in m["values"]:
                 med = {}
                 for side in sides:
-                    vals = [r["workloads"][wl]["metrics"][metric]["values"].get(target) for r in results[side]]
-                    vals = [v for v in vals if v is not None]
+                    got = [r["workloads"][wl]["metrics"][metric]["values"].get(target) for r in results[side]]
+                    vals = [v for v in got if v is not None]
                     med[side] = statistics.median(vals) if vals else None
                 if med["base"] and med["this"]:
                     rows.append((wl, metric, m["unit"], m["better"], target, med["base"], med["this"],
