@@ -1,5 +1,5 @@
-"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, target, bench,
-soak, demo.
+"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, promote, target,
+bench, soak, demo.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
@@ -250,6 +250,35 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_promote(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.replica.promote import promote_pool
+    from rpmemfs.replica.spec import ReplicaSpec
+
+    if _mounted_from(args.pool):
+        raise CliError(f"pool {args.pool} is mounted; unmount it before promoting onto it")
+    try:
+        source = ReplicaSpec.parse(args.source)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    token = _token(args.token_file)
+    result = trio.run(lambda: promote_pool(args.pool, source, token, force=args.force,
+                                           progress=_progress("promote")))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"promoted {result['pool']} from {result['from']} at epoch {result['epoch']}")
+    print(f"  replicas: {', '.join(result['replicas'])}")
+    print(f"  claimed (the old primary is fenced there): {', '.join(result['claimed'])}")
+    for spec, why in result["unreachable"].items():
+        print(f"  NOT REACHED: {spec}: {why}; it is fenced the first time the new primary reaches it")
+    print(f"  copied {result['bytes_copied']} bytes ({result['chunks_differing']} chunks differed), "
+          f"{result['chunks_compared']} chunks verified by checksum, {result['seconds']:.2f} s")
+    print(f"  next: rpmemfs mount {result['pool']} MOUNTPOINT")
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from rpmemfs.fs.check import check, format_report
     from rpmemfs.pmem import PoolMapping
@@ -381,6 +410,14 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--from", dest="source", required=True, metavar="HOST:PORT/NAME")
     s.add_argument("--token-file", help="token for the target")
     s.add_argument("--force", action="store_true", help="replace an existing file")
+    s.add_argument("--json", action="store_true")
+
+    s = command("promote", cmd_promote, "failover: make a new primary from a replica and fence the old one")
+    s.add_argument("pool", help="the pool file to write (an older copy of the pool is updated in place)")
+    s.add_argument("--from", dest="source", required=True, metavar="[tcp://|rdma://]HOST:PORT/NAME")
+    s.add_argument("--token-file", help="token for the targets")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing file that is not a copy of the pool")
     s.add_argument("--json", action="store_true")
 
     command("target", cmd_target, "the replica-node daemon (see `rpmemfs target --help`)",

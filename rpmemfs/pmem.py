@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Self
 
 from rpmemfs.errors import RpmemfsError
+from rpmemfs.holders import describe_process, lock_holders
 from rpmemfs.native import BytesLike, ffi, lib
 
 log = logging.getLogger("rpmemfs.pmem")
@@ -121,8 +122,10 @@ class PoolMapping:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    who = "; ".join(describe_process(pid) for pid in lock_holders(fd))
                     raise PmemError(f"pool {path} is in use: mounted, or open in a target daemon "
-                                    "as a replica") from None
+                                    f"as a replica ({who or 'holder not visible from here'}); "
+                                    "stop that process first") from None
             size = os.fstat(fd).st_size
             if size == 0:
                 raise PmemError(f"pool {path} is empty: create it at its full size first")

@@ -25,9 +25,10 @@ from rpmemfs.mountd.errors import MountError
 from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
 from rpmemfs.pool.header import write_header
-from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch
+from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch, show_epoch
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaSet, ReplicaState
+from rpmemfs.replica.fencing import holder, probe_replicas
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
@@ -157,17 +158,13 @@ class Mounted:
             self.mapping.close()
             raise MountError(f"min_replicas={self.min_replicas} but the pool has only "
                              f"{len(self.specs)} replicas")
-        # A new epoch for this mount, so that a replica that was mounted elsewhere meanwhile
-        # (a failover) refuses this initiator instead of being overwritten by it.
         self.syncmap = SyncMap(self.mapping.buf, self.fs.hdr, self.mapping.persist)
+        # The epoch this mount claims its replicas under (fencing.py); it is written into the
+        # pool only once the replicas said nobody else claimed them (connect_replicas).
         self.prev_epoch = self.fs.hdr.epoch
-        self.fs.hdr = replace(self.fs.hdr, epoch=next_epoch(self.prev_epoch, secrets.randbits(32)))
-        self.header_ranges = write_header(self.mapping.buf, self.fs.hdr)
-        self.mapping.persist(self.header_ranges)
-        if not self.syncmap.reliable and self.specs:
-            log.warning("pool %s was not unmounted cleanly (or its sync map is not its own): "
-                        "every replica is compared by checksums before it counts as in sync", self.pool)
-        self.syncmap.start(self.fs.hdr, len(self.specs))
+        self.new_epoch = next_epoch(self.prev_epoch, secrets.randbits(32))
+        self.header_ranges: list[tuple[int, int]] = []
+        self.fenced: str | None = None  # why this pool may not write its replicas, if it may not
         self.clean = False  # set when the last barrier reached every in-sync replica
         self.replicas: ReplicaSet | None = None
         # Local until the replicas are connected (serve() makes the one that serves them).
@@ -208,12 +205,17 @@ class Mounted:
             "open_seconds": round(self.open_seconds, 4),
             "pid": os.getpid(),
             "min_replicas": self.min_replicas,
+            "epoch": show_epoch(fs.hdr.epoch),
+            "fenced": self.fenced,
             "replicas": self._replica_status(),
         }
 
     def _replica_status(self) -> list[dict[str, Any]]:
         if self.replicas is not None:
             return self.replicas.status()
+        if self.fenced:
+            return [{"address": s.address, "name": s.name, "state": ReplicaState.STALE,
+                     "last_error": f"fenced: {self.fenced}"} for s in self.specs]
         return [{"address": s.address, "name": s.name,
                  "state": ReplicaState.STALE if str(s) in self.stale else ReplicaState.CONNECTING}
                 for s in self.specs]
@@ -238,19 +240,58 @@ class Mounted:
                                            name="populate", daemon=True)
         self._populator.start()
 
+    def _begin(self, epoch: int) -> None:
+        """This mount's epoch is settled: write it into the pool (when it moved) and start the
+        sync map under it."""
+        if epoch != self.fs.hdr.epoch:
+            self.fs.hdr = replace(self.fs.hdr, epoch=epoch)
+            self.header_ranges = write_header(self.mapping.buf, self.fs.hdr)
+            self.mapping.persist(self.header_ranges)
+        if not self.syncmap.reliable and self.specs:
+            log.warning("pool %s was not unmounted cleanly (or its sync map is not its own): "
+                        "every replica is compared by checksums before it counts as in sync", self.pool)
+        self.syncmap.start(self.fs.hdr, len(self.specs))
+
     async def connect_replicas(self) -> None:
-        """Open every recorded replica and bring it up to date; MountError when fewer than
+        """Ask every recorded replica who owns it; then claim them under a new epoch and bring
+        them up to date. MountError, with nothing changed, when a replica was taken over by
+        another primary (unless min_replicas=0: then this pool mounts alone and writes no
+        replica) or fewer than min_replicas can be reached; MountError when fewer than
         min_replicas end up in sync. Those left out are retried in the background."""
         if not self.specs:
+            self._begin(self.prev_epoch)
             return
         try:
             token = read_token_file(self.token_file) if self.token_file else None
         except (TokenError, OSError) as e:
             raise MountError(f"token file {self.token_file}: {e}") from None
+        probes = await probe_replicas(self.specs, token, self.mo.replica_timeout)
+        newer = [p for p in probes if p.newer_than(self.prev_epoch)]
+        if newer:
+            self.fenced = "; ".join(f"replica {p.spec} is held by {p.owned_by()}" for p in newer)
+            if self.min_replicas > 0:
+                raise MountError(
+                    f"{self.pool} was taken over by another primary (a failover): {self.fenced}. "
+                    f"This pool is at epoch {show_epoch(self.prev_epoch)}; mounting it with its "
+                    "replicas would split the brain, so nothing was changed. Rejoin it as a replica "
+                    "or promote it back (docs/failover.md); -o min_replicas=0 mounts it alone")
+            log.error("pool %s was taken over (%s): mounting it alone (min_replicas=0); it writes "
+                      "no replica", self.pool, self.fenced)
+            self._begin(self.prev_epoch)
+            return
+        reachable = [p for p in probes if p.error is None]
+        if len(reachable) < self.min_replicas:
+            why = "; ".join(p.error for p in probes if p.error)
+            raise MountError(f"{len(reachable)} of {len(self.specs)} replicas usable, min_replicas="
+                             f"{self.min_replicas}; nothing was changed: {why}")
+        # Claiming moves the epoch: only when some replica will record it, so that a pool
+        # mounted alone never outgrows the primary that may have replaced it meanwhile.
+        epoch = self.new_epoch if reachable else self.prev_epoch
+        self._begin(epoch)
         rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
                                    timeout=self.mo.replica_timeout, min_replicas=self.min_replicas,
-                                   syncmap=self.syncmap,
-                                   epoch=(self.prev_epoch, self.fs.hdr.epoch))
+                                   syncmap=self.syncmap, epoch=(self.prev_epoch, epoch),
+                                   holder=holder(self.pool, self.mountpoint))
         usable = len(rs.in_sync)
         if usable < self.min_replicas:
             why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"
@@ -387,9 +428,10 @@ class Mounted:
             self._populated.set()  # stop the populate thread before the mapping goes away
             self._populator.join()
         try:
-            self.durability.sync_local()  # replicas were served by _last_barrier, if at all
-            if self.clean or not self.specs:
-                self.syncmap.finish()
+            if self._ops is not None:  # a mount refused before serving leaves the pool as it was
+                self.durability.sync_local()  # replicas were served by _last_barrier, if at all
+                if self.clean or not self.specs:
+                    self.syncmap.finish()
         finally:
             if self._mounted:
                 pyfuse3.close(unmount=True)

@@ -8,13 +8,15 @@ backoff, whenever one falls behind.
 from __future__ import annotations
 
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import trio
 
 from rpmemfs.pool.header import read_header
-from rpmemfs.pool.layout import BLOCK, PoolFormatError
+from rpmemfs.pool.layout import BLOCK, PoolFormatError, show_epoch
 from rpmemfs.replica.barriers import Barriers
+from rpmemfs.replica.fencing import Probe, read_probe
 from rpmemfs.replica.replica import Replica
 from rpmemfs.replica.resync import resync
 from rpmemfs.replica.spec import ReplicaSpec
@@ -38,17 +40,23 @@ def _remote_uuid(head: bytes) -> bytes:
 
 
 async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, token: bytes | None,
-                       lanes: int, epoch: tuple[int, int] | None,
-                       timeout: float) -> tuple[Session, RemoteRegion]:
+                       lanes: int, epoch: tuple[int, int] | None, timeout: float,
+                       holder: Mapping[str, Any] | None = None) -> tuple[Session, RemoteRegion]:
     """A checked session with the replica's pool (``size`` bytes, ``uuid``); ReplicaUnusable
-    says why not."""
+    says why not. With ``epoch``, the pool is claimed (fencing.py), but only after the target
+    said it holds this pool's replica and no newer owner."""
     spec = replica.spec
     session: Session | None = None
+    problem: str | None = None
     try:
         with trio.fail_after(timeout):
             session = await tp.connect(spec.address, token, lanes=lanes, timeout=timeout)
-            region = await session.open_pool(spec.name, epoch)
-            problem = await _check(spec, session, region, size, uuid)
+            if epoch is not None:
+                problem = _check_probe(read_probe(spec, await session.probe_pool(spec.name)),
+                                       size, uuid, epoch)
+            if problem is None:
+                region = await session.open_pool(spec.name, epoch, holder=holder)
+                problem = await _check(spec, session, region, size, uuid)
     except TransportError as exc:
         problem = f"cannot open: {exc}"
     except trio.TooSlowError:
@@ -64,6 +72,19 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
             except (TransportError, OSError):
                 pass
     raise ReplicaUnusable(problem)
+
+
+def _check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int]) -> str | None:
+    """Why claiming this replica would be wrong, from what its target said, or None."""
+    if p.size is not None and p.size != size:
+        return f"replica {p.spec}: remote pool is {p.size} bytes but the local pool is {size} bytes"
+    if p.uuid is not None and p.uuid != uuid:
+        return (f"replica {p.spec}: remote pool uuid {show_uuid(p.uuid)} does not match the local "
+                f"pool uuid {show_uuid(uuid)}; it is not a replica of this pool")
+    if p.epoch != epoch[1] and p.newer_than(epoch[0]):
+        return (f"replica {p.spec} was taken over: it is held by {p.owned_by()}, and this pool was "
+                f"at epoch {show_epoch(epoch[0])}; it is fenced from writing it (see docs/failover.md)")
+    return None
 
 
 async def _check(spec: ReplicaSpec, session: Session, region: RemoteRegion, size: int,

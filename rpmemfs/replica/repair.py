@@ -102,7 +102,7 @@ async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], t
     return report
 
 
-def _create_file(path: str, size: int, force: bool) -> int:
+def create_file(path: str, size: int, force: bool) -> int:
     if os.path.lexists(path) and not force:
         raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)")
     parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -141,7 +141,7 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             if hdr.pool_size != region.size:
                 raise RepairError(f"replica {source}: header says {hdr.pool_size} bytes, the pool "
                                   f"file is {region.size}")
-            fd = _create_file(pool, hdr.pool_size, force)
+            fd = create_file(pool, hdr.pool_size, force)
             os.close(fd)
             done = False
             try:
@@ -154,7 +154,7 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
                             buf[off : off + n] = await lane.read(region, off, n)
                         if progress:
                             progress(off + n, limit)
-                    _mark_others_full(mapping, hdr, source)
+                    mark_others_full(mapping, hdr, source)
                     mapping.persist([(0, hdr.pool_size)])
                     compared, differing = await differing_chunks(
                         session, region, buf, [(0, limit)], DEFAULT_CHUNK, lambda n: None, timeout)
@@ -173,7 +173,7 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             "seconds": round(time.monotonic() - t0, 3)}
 
 
-def _mark_others_full(mapping: PoolMapping, hdr: Header, source: ReplicaSpec) -> None:
+def mark_others_full(mapping: PoolMapping, hdr: Header, source: ReplicaSpec) -> None:
     """A fresh sync map: the source replica holds all of the pool, the others are unknown."""
     buf = mapping.buf
     mapping.persist(format_map(buf, hdr))

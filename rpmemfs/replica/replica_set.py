@@ -12,7 +12,7 @@ fsync) plus the rest of a replica set's life, each job in a module of its own:
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
@@ -94,6 +94,7 @@ class ReplicaSet(Barriers):
         epoch: tuple[int, int] | None = None,
         slots: list[int] | None = None,
         progress: Callable[[int], None] | None = None,
+        holder: Mapping[str, Any] | None = None,
     ) -> ReplicaSet:
         """Connect to every replica in parallel, check each against the local pool, and bring
         those that miss something up to date (from the sync map, or by comparing checksums).
@@ -114,7 +115,7 @@ class ReplicaSet(Barriers):
         async def connect(replica: Replica) -> tuple[Session, RemoteRegion]:
             tp = transport or transport_for(replica.spec.transport)
             return await open_session(replica, tp, len(local_buf), uuid, token, lanes, epoch,
-                                      self.timeout)
+                                      self.timeout, holder)
 
         self._connect = connect
         async with trio.open_nursery() as nursery:

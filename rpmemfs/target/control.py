@@ -7,13 +7,17 @@ connection stays up: bad input in a request is not a framing violation.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from rpmemfs.native import crc32c
-from rpmemfs.pool.layout import epoch_gen, show_epoch
-from rpmemfs.target.names import PoolNameError, check_name
+from rpmemfs.pool.header import find_header
+from rpmemfs.pool.layout import BLOCK, show_epoch
+from rpmemfs.target.names import PoolNameError, check_name, pool_path
+from rpmemfs.target.owners import Owner, OwnerBook, clean_holder, refusal
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession
 
@@ -38,21 +42,6 @@ def _epoch_pair(value: object) -> tuple[int, int] | None:
     return value[0], value[1]
 
 
-def fence(pool_epoch: int | None, prev: int, cur: int) -> str | None:
-    """Why an initiator at ``cur`` (``prev`` before its mount) must not write this pool, or None.
-
-    The pool is fine when it is where this initiator left it (``prev``), already at ``cur``
-    (a reconnect within the same mount), or behind (an older generation: a stale replica,
-    which resync brings up to date). Anything else was mounted elsewhere since: a failover
-    made it a primary of its own, and writing over it would lose what it took.
-    """
-    if pool_epoch is None or pool_epoch in (prev, cur) or epoch_gen(pool_epoch) < epoch_gen(prev):
-        return None
-    return (f"the pool is at epoch {show_epoch(pool_epoch)}, but this initiator was at epoch "
-            f"{show_epoch(prev)} and is now at {show_epoch(cur)}: the pool was mounted elsewhere "
-            f"since (a failover?) and moved on; refusing to write over it")
-
-
 def _crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
     return [
         crc32c(buf[pos : min(pos + chunk, offset + length)]) for pos in range(offset, offset + length, chunk)
@@ -67,6 +56,22 @@ class ControlService:
         self.info = info
         self.verbs: VerbsService | None = None  # set when the target serves RDMA
         self.no_verbs = "this target does not serve RDMA"
+        self._owners = OwnerBook(store.pool_dir)
+        # The one session that may write each pool (it claimed it under an epoch): a newer
+        # claim takes its registration away, so an old primary's lanes stop landing writes.
+        self._writers: dict[str, tuple[TargetSession, int]] = {}
+        sessions.hooks.append(self)
+
+    # SessionHook: a writer's registration or session went.
+    def unregistered(self, session: TargetSession, key: int) -> None:
+        for name, (s, k) in list(self._writers.items()):
+            if s is session and k == key:
+                del self._writers[name]
+
+    def ended(self, session: TargetSession) -> None:
+        for name, (s, _k) in list(self._writers.items()):
+            if s is session:
+                del self._writers[name]
 
     async def handle(self, session: TargetSession, request: object) -> dict[str, Any]:
         if not isinstance(request, dict):
@@ -77,6 +82,8 @@ class ControlService:
                 return await self._create(session, request)
             if op == "open":
                 return self._open(session, request)
+            if op == "probe":
+                return self._probe(request)
             if op == "close":
                 return self._close(session, request)
             if op == "remove":
@@ -85,7 +92,7 @@ class ControlService:
                 return await self._checksum(session, request)
             if op == "stats":
                 name = request.get("name")
-                return {"ok": True, "pools": self._store.stats(None if name is None else check_name(name))}
+                return {"ok": True, "pools": self._stats(None if name is None else check_name(name))}
             if op == "info":
                 return {"ok": True, **self.info}
             if op == "rdma":
@@ -121,15 +128,53 @@ class ControlService:
         await trio.to_thread.run_sync(self._store.create_file, name, request.get("size"))
         return self._open(session, request)
 
+    def _owner(self, name: str, header_epoch: int | None) -> Owner | None:
+        """The pool's recorded owner; for a pool without a record, the epoch in its header."""
+        owner = self._owners.get(name)
+        if owner is None and header_epoch is not None:
+            owner = Owner(header_epoch)
+        return owner
+
+    def _probe(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Who owns a pool, without opening it: what a mount asks every replica before it
+        claims any (so that a refused mount changes no epoch anywhere)."""
+        name = check_name(request.get("name"))
+        path = pool_path(self._store.pool_dir, name, must_exist=True)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, 2 * BLOCK, 0)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        hdr = find_header(memoryview(head))
+        owner = self._owner(name, hdr.epoch if hdr else None)
+        writer = self._writers.get(name)
+        return {"ok": True, "name": name, "size": size, "uuid": hdr.uuid.hex() if hdr else None,
+                "owner": owner.as_dict() if owner else None, "writer": writer[0].peer if writer else None}
+
+    def _stats(self, name: str | None) -> dict[str, Any]:
+        pools = self._store.stats(name)
+        for n, entry in pools.items():
+            owner = self._owners.get(n)
+            writer = self._writers.get(n)
+            entry["owner"] = owner.as_dict() if owner else None
+            entry["writer"] = writer[0].peer if writer else None
+        return pools
+
     def _open(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         name = check_name(request.get("name"))
         epoch = _epoch_pair(request.get("epoch"))
+        takeover = request.get("takeover") is True
+        if takeover and epoch is None:
+            raise PoolError("a takeover needs an epoch", "request")
         pool = self._store.open(name)
+        owner: Owner | None = None
         if epoch is not None:
-            refusal = fence(pool.epoch, *epoch)
-            if refusal:
+            owner = self._owner(name, pool.epoch)
+            why = refusal(owner, epoch[0], epoch[1], takeover)
+            if why:
                 self._store.release(pool)
-                raise PoolError(f"pool {name!r}: {refusal}", "epoch")
+                raise PoolError(f"pool {name!r}: {why}", "epoch")
         if self._method == "apm" and not pool.mapping.is_pmem:
             self._store.release(pool)
             raise PoolError(
@@ -142,6 +187,12 @@ class ControlService:
         except PoolError:
             self._store.release(pool)
             raise
+        if epoch is not None:
+            try:
+                self._claimed(session, region, epoch[1], clean_holder(request.get("holder")), owner)
+            except OSError:
+                self._sessions.unregister(session, region.key)
+                raise
         reply = self._describe(region)
         if request.get("rdma"):
             if self.verbs is None:
@@ -187,6 +238,26 @@ class ControlService:
             raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
         return {"ok": True}
 
+    def _claimed(self, session: TargetSession, region: Region, epoch: int, holder: dict[str, Any],
+                 owner: Owner | None) -> None:
+        """Record a writer's claim (durably, before the answer) and fence the writer before it."""
+        name = region.pool.name
+        if owner is None or owner.epoch != epoch or (holder and owner.holder != holder):
+            since = owner.since if owner is not None and owner.epoch == epoch else time.time()
+            self._owners.set(name, Owner(epoch, holder, since))
+            if owner is not None and owner.epoch != epoch:
+                log.warning("pool %s: claimed at epoch %s by %s (was %s)", name, show_epoch(epoch),
+                            holder.get("host", session.peer), show_epoch(owner.epoch))
+        before = self._writers.get(name)
+        if before is not None and before != (session, region.key):
+            old_session, old_key = before
+            log.warning("pool %s: the writer at %s is fenced: a claim at epoch %s took the pool",
+                        name, old_session.peer, show_epoch(epoch))
+            self._sessions.unregister(old_session, old_key)
+        self._writers[name] = (session, region.key)
+
     def _remove(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
-        self._store.remove(check_name(request.get("name")))
+        name = check_name(request.get("name"))
+        self._store.remove(name)
+        self._owners.forget(name)
         return {"ok": True}

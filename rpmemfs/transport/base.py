@@ -165,9 +165,17 @@ class Session(Protocol):
     async def create_pool(self, name: str, size: int) -> RemoteRegion:
         """Create a zero-filled pool of ``size`` bytes on the target and register it."""
 
-    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None) -> RemoteRegion:
-        """Register an existing pool. ``epoch`` = (the initiator's epoch before this mount,
-        its epoch now): the target refuses a pool that moved on past both (a failover)."""
+    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None, *,
+                        holder: Mapping[str, Any] | None = None, takeover: bool = False) -> RemoteRegion:
+        """Register an existing pool. With ``epoch`` = (the initiator's epoch before this mount,
+        its epoch now) the initiator claims the pool as its writer: the target refuses a pool
+        another initiator claimed since (a failover), naming it, and otherwise records the
+        claim (with ``holder``: who is claiming, for the target to name to others) and fences
+        the writer before. ``takeover``: claim with an epoch above any recorded one."""
+
+    async def probe_pool(self, name: str) -> dict[str, Any]:
+        """Who owns a pool (its recorded epoch and holder) and whether a writer has it open,
+        without opening it."""
 
     async def close_pool(self, region: RemoteRegion) -> None: ...
 
@@ -186,6 +194,19 @@ class Session(Protocol):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None: ...
+
+
+def open_request(name: str, epoch: tuple[int, int] | None, holder: Mapping[str, Any] | None,
+                 takeover: bool) -> dict[str, Any]:
+    """The control request that opens (and with an epoch, claims) a pool."""
+    request: dict[str, Any] = {"op": "open", "name": name}
+    if epoch is not None:
+        request["epoch"] = list(epoch)
+        if holder:
+            request["holder"] = dict(holder)
+        if takeover:
+            request["takeover"] = True
+    return request
 
 
 class Transport(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -35,6 +35,7 @@ from rpmemfs.transport.base import (
     check_range,
     coalesce,
     nbytes,
+    open_request,
 )
 from rpmemfs.transport.conn import Connection, open_connection
 from rpmemfs.transport.sockio import Buffer
@@ -376,11 +377,12 @@ class TcpSession:
     async def create_pool(self, name: str, size: int) -> RemoteRegion:
         return self._region(await self.control({"op": "create", "name": name, "size": size}))
 
-    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None) -> RemoteRegion:
-        request: dict[str, Any] = {"op": "open", "name": name}
-        if epoch is not None:
-            request["epoch"] = list(epoch)
-        return self._region(await self.control(request))
+    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None, *,
+                        holder: Mapping[str, Any] | None = None, takeover: bool = False) -> RemoteRegion:
+        return self._region(await self.control(open_request(name, epoch, holder, takeover)))
+
+    async def probe_pool(self, name: str) -> dict[str, Any]:
+        return await self.control({"op": "probe", "name": name})
 
     async def close_pool(self, region: RemoteRegion) -> None:
         await self.control({"op": "close", "key": region.key})

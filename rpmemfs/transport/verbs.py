@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -58,6 +58,7 @@ from rpmemfs.transport.base import (
     check_range,
     coalesce,
     nbytes,
+    open_request,
 )
 from rpmemfs.transport.tcp import TcpSession
 from rpmemfs.transport.tcp import connect as tcp_connect
@@ -718,11 +719,12 @@ class VerbsSession:
     async def create_pool(self, name: str, size: int) -> RemoteRegion:
         return await self._open({"op": "create", "name": name, "size": size})
 
-    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None) -> RemoteRegion:
-        request: dict[str, Any] = {"op": "open", "name": name}
-        if epoch is not None:
-            request["epoch"] = list(epoch)
-        return await self._open(request)
+    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None, *,
+                        holder: Mapping[str, Any] | None = None, takeover: bool = False) -> RemoteRegion:
+        return await self._open(open_request(name, epoch, holder, takeover))
+
+    async def probe_pool(self, name: str) -> dict[str, Any]:
+        return await self._control.probe_pool(name)
 
     async def close_pool(self, region: RemoteRegion) -> None:
         await self._control.close_pool(region)

@@ -32,6 +32,7 @@ import trio
 
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import find_header
+from rpmemfs.target.owners import Owner, refusal
 from rpmemfs.transport.base import (
     DEFAULT_TIMEOUT,
     BytesLike,
@@ -57,6 +58,8 @@ class MemTarget:
         self.address = address
         self.method: Method = method
         self.pools: dict[str, bytearray] = {}
+        # Fencing as the real target does it (rpmemfs/target/owners.py): who claimed each pool.
+        self.owners: dict[str, Owner] = {}
         # Every request that reached the target, in order: ("write", pool, offset, length),
         # ("flush", pool), ("read", pool, offset, length), ("checksum", pool, offset, length).
         self.ops: list[Op] = []
@@ -107,6 +110,13 @@ class MemTarget:
 
     def flushes(self, since: int = 0) -> int:
         return sum(1 for op in self.ops[since:] if op[0] == "flush")
+
+    def owner(self, name: str) -> Owner | None:
+        """The recorded owner, else (a pool nobody claimed) the epoch in its header."""
+        if name in self.owners:
+            return self.owners[name]
+        hdr = find_header(self.pools[name])
+        return Owner(hdr.epoch) if hdr else None
 
     def _region(self, name: str, key: int) -> RemoteRegion:
         pool = self.pools[name]
@@ -282,13 +292,31 @@ class MemSession:
         self.target.pools[name] = bytearray(size)
         return await self.open_pool(name)
 
-    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None) -> RemoteRegion:
+    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None, *,
+                        holder: Mapping[str, Any] | None = None, takeover: bool = False) -> RemoteRegion:
         self.check()
         await self.target.answer(self, trio.current_time() + self.timeout)
         if name not in self.target.pools:
             raise TransportError(self.peer, f"no pool named {name!r}", code=2)
+        if epoch is not None:
+            owner = self.target.owner(name)
+            why = refusal(owner, epoch[0], epoch[1], takeover)
+            if why:
+                raise TransportError(self.peer, f"pool {name!r}: {why}")
+            self.target.owners[name] = Owner(epoch[1], dict(holder or {}))
         self._keys += 1
         return self.target._region(name, self._keys)
+
+    async def probe_pool(self, name: str) -> dict[str, Any]:
+        self.check()
+        await self.target.answer(self, trio.current_time() + self.timeout)
+        if name not in self.target.pools:
+            raise TransportError(self.peer, f"no pool named {name!r}", code=2)
+        pool = self.target.pools[name]
+        hdr = find_header(pool)
+        owner = self.target.owner(name)
+        return {"ok": True, "name": name, "size": len(pool), "uuid": hdr.uuid.hex() if hdr else None,
+                "owner": owner.as_dict() if owner else None, "writer": None}
 
     async def close_pool(self, region: RemoteRegion) -> None:
         self.check()

@@ -1,0 +1,104 @@
+"""Fencing, from the initiator's side: who owns each replica, asked before anything is claimed.
+
+Every replica pool's target records the epoch of the initiator that last claimed it (see
+rpmemfs/target/owners.py). A mount claims its replicas under a new epoch, but first it asks
+every replica who owns it (``probe_replicas``), so that:
+
+- a mount of a pool that was taken over (a failover promoted another copy, whose claim the
+  replicas recorded) is refused before it changes any epoch, here or on a replica, however
+  often it is retried;
+- the epoch in the local pool only moves when this mount is going to claim replicas with it,
+  so a pool mounted alone never outgrows the epoch of the primary that replaced it.
+
+An epoch is a generation (high 32 bits) and a random nonce: ``newer_owner`` is the test the
+target applies to a normal claim, seen from this side.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from rpmemfs.pool.layout import epoch_gen, show_epoch
+from rpmemfs.replica.spec import ReplicaSpec
+from rpmemfs.transport.base import Transport, TransportError
+from rpmemfs.transport.choose import transport_for
+
+
+@dataclass
+class Probe:
+    """What one replica's target said about its pool, or why it could not be asked."""
+
+    spec: ReplicaSpec
+    epoch: int | None = None  # the recorded owner's epoch (None: a pool nobody claimed)
+    owner: str = ""  # the target's description of the owner
+    size: int | None = None
+    uuid: bytes | None = None
+    writer: str | None = None  # the peer of the session writing it now, if any
+    error: str | None = None
+
+    def newer_than(self, prev: int) -> bool:
+        """True when another initiator claimed this replica since this pool's epoch ``prev``."""
+        return (self.epoch is not None and self.epoch != prev
+                and epoch_gen(self.epoch) >= epoch_gen(prev))
+
+    def owned_by(self) -> str:
+        return self.owner or (f"epoch {show_epoch(self.epoch)}" if self.epoch is not None else "nobody")
+
+
+def holder(pool: str, mountpoint: str | None = None, command: str = "mount") -> dict[str, Any]:
+    """Who this initiator is, for a target to name to the initiators it refuses."""
+    out: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "pool": pool,
+                           "command": command}
+    if mountpoint:
+        out["mountpoint"] = mountpoint
+    return out
+
+
+def read_probe(spec: ReplicaSpec, reply: Mapping[str, Any]) -> Probe:
+    owner = reply.get("owner")
+    p = Probe(spec, writer=reply.get("writer") if isinstance(reply.get("writer"), str) else None)
+    if isinstance(owner, dict) and isinstance(owner.get("epoch"), int):
+        p.epoch = owner["epoch"]
+        p.owner = str(owner.get("described") or "")
+    if isinstance(reply.get("size"), int):
+        p.size = reply["size"]
+    raw_uuid = reply.get("uuid")
+    if isinstance(raw_uuid, str):
+        try:
+            p.uuid = bytes.fromhex(raw_uuid)
+        except ValueError:
+            p.uuid = None
+    return p
+
+
+async def probe_one(spec: ReplicaSpec, token: bytes | None, timeout: float,
+                    transport: Transport | None = None) -> Probe:
+    tp = transport or transport_for(spec.transport)
+    try:
+        with trio.fail_after(timeout):
+            async with await tp.connect(spec.address, token, lanes=0, timeout=timeout) as session:
+                return read_probe(spec, await session.probe_pool(spec.name))
+    except TransportError as exc:
+        return Probe(spec, error=f"replica {spec}: cannot ask who owns it: {exc}")
+    except trio.TooSlowError:
+        return Probe(spec, error=f"replica {spec}: no answer within {timeout:g}s")
+
+
+async def probe_replicas(specs: list[ReplicaSpec], token: bytes | None, timeout: float,
+                         transport: Transport | None = None) -> list[Probe]:
+    """Ask every replica who owns it, in parallel; one Probe per spec, in order."""
+    results: list[Probe | None] = [None] * len(specs)
+
+    async def one(i: int, spec: ReplicaSpec) -> None:
+        results[i] = await probe_one(spec, token, timeout, transport)
+
+    async with trio.open_nursery() as nursery:
+        for i, spec in enumerate(specs):
+            nursery.start_soon(one, i, spec)
+    return [r for r in results if r is not None]

@@ -1,0 +1,186 @@
+"""`rpmemfs promote NEWPOOL --from REPLICA`: a failover's new primary, made so that the old
+primary can never write the replicas again.
+
+1. Read the source replica's header and replica table: the pool's replicas, as its last
+   primary recorded them (the table lives in the pool, so every replica holds it).
+2. Ask every replica who owns it (fencing.probe_replicas) and take an epoch above all of them:
+   the next generation after the highest, with a random nonce.
+3. Claim every reachable replica with it, as a takeover. Each target records the claim before
+   it answers and drops the old primary's registration, so the old primary is fenced from
+   here on, before the new one has written anything. A replica that refuses (another
+   takeover, with a higher epoch, won) ends the promote with the winner's name.
+4. Copy the pool from the source, which cannot change underneath now: only the chunks that
+   differ when NEWPOOL already holds an older copy of this pool (a fail-back), all of it
+   otherwise; then compare every chunk with the source by checksum.
+5. Give NEWPOOL the new epoch, the same replica list, and a sync map under that epoch in which
+   the source is in sync and every other replica is compared in full when NEWPOOL is mounted.
+
+A replica that could not be reached is fenced the first time the new primary reaches it: its
+recorded epoch is a generation behind, which a normal claim from the new primary passes and
+the old primary's does not.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from rpmemfs.pmem import PmemError, PoolMapping
+from rpmemfs.pool.header import read_header, write_header
+from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError, epoch_gen, next_epoch, show_epoch
+from rpmemfs.replica.fencing import Probe, holder, probe_replicas
+from rpmemfs.replica.repair import READ_STEP, RepairError, create_file, mark_others_full
+from rpmemfs.replica.spec import ReplicaSpec
+from rpmemfs.replica.table import inspect_table
+from rpmemfs.replica.verify import DEFAULT_CHUNK, differing_chunks
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
+from rpmemfs.transport.choose import transport_for
+
+Progress = Callable[[int, int], None]
+
+
+def new_epoch(seen: list[int]) -> int:
+    """An epoch above every one seen: the next generation after the highest."""
+    top = max(seen, default=0)
+    return next_epoch(top, secrets.randbits(32)) if epoch_gen(top) < 0xFFFFFFFF else top + 1
+
+
+async def _claim(spec: ReplicaSpec, token: bytes | None, epoch: int, who: dict[str, Any],
+                 timeout: float, lanes: int = 0) -> tuple[Session, RemoteRegion]:
+    session = await transport_for(spec.transport).connect(spec.address, token, lanes=lanes, timeout=timeout)
+    try:
+        region = await session.open_pool(spec.name, (epoch, epoch), holder=who, takeover=True)
+    except BaseException:
+        await session.aclose()
+        raise
+    return session, region
+
+
+def _same_pool(path: str, hdr: Header) -> bool:
+    """Whether ``path`` holds an (older) copy of the pool ``hdr`` describes."""
+    try:
+        with PoolMapping.open(path, "msync", readonly=True) as pm:
+            mine, _ = read_header(pm.buf)
+    except (PmemError, PoolFormatError, OSError):
+        return False
+    return mine.uuid == hdr.uuid and mine.pool_size == hdr.pool_size
+
+
+async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
+                       progress: Progress | None = None,
+                       timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """Make ``pool`` the primary of ``source``'s replica set (see the module's text)."""
+    t0 = time.monotonic()
+    who = holder(os.path.abspath(pool), command="promote")
+    try:
+        src_probe = (await probe_replicas([source], token, timeout))[0]
+        if src_probe.error:
+            raise RepairError(src_probe.error)
+        async with await transport_for(source.transport).connect(
+                source.address, token, lanes=1, timeout=timeout) as peek:
+            region = await peek.open_pool(source.name)
+            with trio.fail_after(timeout):
+                head = await peek.lanes[0].read(region, 0, 2 * BLOCK)
+        try:
+            hdr, _ = read_header(memoryview(head))
+        except PoolFormatError as exc:
+            raise RepairError(f"replica {source} holds no usable pool: {exc}") from None
+        table = inspect_table(memoryview(head))
+        specs = table.replicas or [source]
+        if str(source) not in {str(s) for s in specs}:
+            raise RepairError(f"replica {source} is not in its own pool's replica table "
+                              f"({', '.join(map(str, specs))}); promote from one of those")
+        others = [s for s in specs if str(s) != str(source)]
+        probes = [src_probe, *await probe_replicas(others, token, timeout)]
+        seen = [hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)]
+        epoch = new_epoch(seen)
+        # Fence first: once a replica recorded this claim, the old primary cannot write it.
+        claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout)
+        with trio.fail_after(timeout):
+            session, region = await _claim(source, token, epoch, who, timeout, lanes=1)
+        async with session:
+            copied, compared, differing = await _copy(pool, hdr, session, region, force, progress, timeout)
+    except TransportError as exc:
+        raise RepairError(f"promote stopped: {exc}") from None
+    except trio.TooSlowError:
+        raise RepairError(f"promote stopped: a replica did not answer within {timeout:g}s") from None
+    _finish(pool, hdr, epoch, source)
+    return {"pool": pool, "from": str(source), "epoch": show_epoch(epoch),
+            "replicas": [str(s) for s in specs], "claimed": [str(source), *claimed],
+            "unreachable": unreachable, "bytes_copied": copied, "chunks_compared": compared,
+            "chunks_differing": differing, "seconds": round(time.monotonic() - t0, 3)}
+
+
+async def _claim_others(specs: list[ReplicaSpec], probes: list[Probe], token: bytes | None, epoch: int,
+                        who: dict[str, Any], timeout: float) -> tuple[list[str], dict[str, str]]:
+    claimed: list[str] = []
+    unreachable: dict[str, str] = {}
+    for spec, probe in zip(specs, probes, strict=True):
+        if probe.error:
+            unreachable[str(spec)] = probe.error
+            continue
+        try:
+            with trio.fail_after(timeout):
+                session, _region = await _claim(spec, token, epoch, who, timeout)
+                await session.aclose()
+        except trio.TooSlowError:
+            unreachable[str(spec)] = f"replica {spec}: no answer within {timeout:g}s"
+            continue
+        except TransportError as exc:
+            if not exc.lane_lost:
+                raise  # a clean refusal: another takeover won, and the target says who
+            unreachable[str(spec)] = f"replica {spec}: {exc}"
+            continue
+        claimed.append(str(spec))
+    return claimed, unreachable
+
+
+async def _copy(pool: str, hdr: Header, session: Session, region: RemoteRegion, force: bool,
+                progress: Progress | None, timeout: float) -> tuple[int, int, int]:
+    """Bring ``pool`` to the source's content: (bytes copied, chunks compared, chunks that
+    differed before the copy; 0 for a fresh copy)."""
+    limit = hdr.map_off
+    lane = session.lanes[0]
+    incremental = os.path.exists(pool) and _same_pool(pool, hdr)
+    if not incremental:
+        os.close(create_file(pool, hdr.pool_size, force))
+    with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
+        buf = mapping.buf
+        if incremental:
+            _, runs = await differing_chunks(session, region, buf, [(0, limit)], DEFAULT_CHUNK,
+                                             lambda n: None, timeout)
+        else:
+            runs = [(0, limit)]
+        before = sum(-(-n // DEFAULT_CHUNK) for _, n in runs) if incremental else 0
+        total = sum(n for _, n in runs)
+        done = 0
+        for first, n in runs:
+            for off in range(first, first + n, READ_STEP):
+                k = min(READ_STEP, first + n - off)
+                with trio.fail_after(timeout):
+                    buf[off: off + k] = await lane.read(region, off, k)
+                done += k
+                if progress:
+                    progress(done, total)
+        mapping.persist(runs)
+        compared, differing = await differing_chunks(session, region, buf, [(0, limit)], DEFAULT_CHUNK,
+                                                     lambda n: None, timeout)
+        if differing:
+            raise RepairError(f"the copy differs from the source in {len(differing)} ranges after "
+                              "promote (was the source written meanwhile?)")
+    return total, compared, before
+
+
+def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec) -> None:
+    """The new epoch in the header, the source in sync in a sync map under that epoch."""
+    with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
+        promoted = replace(hdr, epoch=epoch)
+        mapping.persist(write_header(mapping.buf, promoted))
+        mark_others_full(mapping, promoted, source)
+        mapping.persist([(0, promoted.pool_size)])

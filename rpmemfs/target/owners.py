@@ -1,0 +1,161 @@
+"""Who owns each pool on this target: the epoch of its current writer, recorded on disk.
+
+Fencing rests on this record. An initiator that opens a pool to write it claims it under an
+epoch; the target writes the claim here (atomically, and durably, before it answers) and from
+then on refuses any writer whose claim is older, naming the owner: so an old primary that
+comes back after a failover is refused even before the new primary has written anything.
+
+The record lives beside the pool, in ``.NAME.owner`` (JSON), not in the pool: the pool's
+bytes are the primary's to write, header included, and a primary must not be able to
+overwrite the record that fences it. Pool names never start with a dot, so the record is
+outside the pool namespace. A pool without a record (made before records existed) is owned
+by the epoch in its header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rpmemfs.pool.layout import epoch_gen, show_epoch
+from rpmemfs.target.names import check_name
+
+log = logging.getLogger("rpmemfs.target.owners")
+
+MAX_RECORD = 4096
+# What an initiator may say about itself; the target repeats it to whoever it refuses.
+HOLDER_FIELDS = {"host": str, "pid": int, "pool": str, "mountpoint": str, "command": str}
+MAX_HOLDER_TEXT = 256
+
+
+@dataclass(frozen=True)
+class Owner:
+    epoch: int
+    holder: dict[str, Any] = field(default_factory=dict)
+    since: float = 0.0  # when this epoch claimed the pool here (seconds since the epoch)
+
+    def describe(self) -> str:
+        h = self.holder
+        who = h.get("host") or "an unnamed initiator"
+        parts = [f"pid {h['pid']}"] if "pid" in h else []
+        if "pool" in h:
+            parts.append(f"pool {h['pool']}")
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.since)) if self.since else "?"
+        extra = f" ({', '.join(parts)})" if parts else ""
+        return f"{who}{extra} at epoch {show_epoch(self.epoch)} since {when}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "epoch_shown": show_epoch(self.epoch), "holder": self.holder,
+                "since": self.since, "described": self.describe()}
+
+
+def clean_holder(value: object) -> dict[str, Any]:
+    """The holder fields an initiator sent, checked (unknown fields and bad types dropped)."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, kind in HOLDER_FIELDS.items():
+        v = value.get(key)
+        if isinstance(v, kind) and not isinstance(v, bool):
+            out[key] = v[:MAX_HOLDER_TEXT] if isinstance(v, str) else v
+    return out
+
+
+def refusal(owner: Owner | None, prev: int, cur: int, takeover: bool) -> str | None:
+    """Why an initiator claiming the pool at ``cur`` (it was at ``prev`` before this mount)
+    must not write it, or None.
+
+    A normal claim is let in when the pool is where this initiator left it (``prev``), already
+    at ``cur`` (a reconnect within one mount), or behind by a generation or more (a replica
+    that missed this initiator's earlier mounts: resync brings it up to date). Anything else
+    was claimed by another initiator since (a failover): refused.
+
+    A takeover (promote, mount --takeover) is let in only with an epoch above the recorded
+    one. Epochs compare as integers (generation, then nonce), so of two takeovers racing with
+    the same generation exactly one wins on every target, whatever the order they arrive in.
+    """
+    if owner is None:
+        return None
+    recorded = owner.epoch
+    if takeover:
+        if cur > recorded:
+            return None
+        return (f"it is held by {owner.describe()}, which is not older than this takeover's "
+                f"epoch {show_epoch(cur)}; another takeover won")
+    if recorded in (prev, cur) or epoch_gen(recorded) < epoch_gen(prev):
+        return None
+    return (f"it is held by {owner.describe()}, but this initiator was at epoch "
+            f"{show_epoch(prev)}: the pool was taken over since (a failover) and has moved on; "
+            "refusing to let an older owner write it (see docs/failover.md)")
+
+
+class OwnerBook:
+    """The owner records of one pool directory."""
+
+    def __init__(self, pool_dir: str) -> None:
+        self.pool_dir = pool_dir
+        self._cache: dict[str, Owner | None] = {}
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.pool_dir, f".{check_name(name)}.owner")
+
+    def get(self, name: str) -> Owner | None:
+        if name in self._cache:
+            return self._cache[name]
+        owner = self._read(name)
+        self._cache[name] = owner
+        return owner
+
+    def _read(self, name: str) -> Owner | None:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            raw = os.read(fd, MAX_RECORD + 1)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(raw)
+            epoch = doc["epoch"]
+            if not isinstance(epoch, int) or not 0 <= epoch < 1 << 64:
+                raise ValueError(f"epoch {epoch!r}")
+            since = doc.get("since", 0.0)
+            return Owner(epoch, clean_holder(doc.get("holder")), float(since))
+        except (ValueError, KeyError, TypeError) as exc:
+            # Refusing every writer would make the pool unusable; the header's epoch still
+            # fences (the caller falls back to it), and the operator is told.
+            log.error("owner record %s is unreadable (%s); falling back to the pool header's epoch",
+                      path, exc)
+            return None
+
+    def set(self, name: str, owner: Owner) -> None:
+        """Record ``owner`` durably before returning (write, fsync, rename, fsync the dir)."""
+        path = self._path(name)
+        tmp = f"{path}.tmp"
+        data = json.dumps({"epoch": owner.epoch, "holder": owner.holder, "since": owner.since}).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        dfd = os.open(self.pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self._cache[name] = owner
+
+    def forget(self, name: str) -> None:
+        """The pool was removed: so is its record."""
+        self._cache.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(name))

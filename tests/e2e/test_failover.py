@@ -1,0 +1,241 @@
+"""Failover that cannot split the brain: an old primary that comes back after another copy of
+its pool took the replicas over is refused (or fenced while it runs), and it never damages a
+replica, however often it retries.
+
+Real target daemons on loopback, real FUSE mounts, the old primary's daemon killed with -9.
+The new primary is made as an operator makes it today: `rpmemfs recover NEW --from REPLICA`,
+then mounted with the same replicas; its mount claims them under a newer epoch, which each
+target records beside the pool (target/owners.py) before any byte is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from conftest import MountPool
+from helpers import assert_check_clean, cli, pool_content, replica_file, status_json, wait_until, write_fsync
+
+from rpmemfs.pool.layout import Header, show_epoch
+from rpmemfs.tools.processes import TargetProcess
+
+OPTS = "pmem=force,replica_timeout=2"
+
+
+def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
+    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", "64M"]
+    for t in targets:
+        args += ["--replica", f"{t.address}/app"]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+
+
+def _epoch(path: Path) -> str:
+    return show_epoch(Header.decode(path.read_bytes()[:4096]).epoch)
+
+
+def _failover(work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool,
+              old_options: str = OPTS) -> tuple[Path, Path, dict[str, bytes]]:
+    """A primary writes and dies (kill -9); a new primary is recovered from replica 0 and
+    mounted (claiming both replicas). Returns the old pool, the new pool, what was acked."""
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=old_options)
+    acked = {f"a{i}": bytes([65 + i]) * (3000 + 5000 * i) for i in range(4)}
+    for name, data in acked.items():
+        write_fsync(a.path / name, data)
+    a.kill9()
+    new = work_dir / "new.pool"
+    res = cli("recover", new, "--from", f"{targets[0].address}/app")
+    assert res.returncode == 0, res.stderr
+    return pool, new, acked
+
+
+def _refused(mount_pool: MountPool, pool: Path, name: str, options: str = OPTS) -> str:
+    return mount_pool(pool, name=name, options=options, start=False).start_expect_failure()
+
+
+def _alone(copy_of: Path, work_dir: Path, name: str, mount_pool: MountPool) -> Path:
+    """A copy of a replica's pool file, mounted on its own (min_replicas=0); its mountpoint."""
+    copy = work_dir / f"{name}.pool"
+    shutil.copyfile(copy_of, copy)
+    assert_check_clean(copy)
+    m = mount_pool(copy, name=name, options="pmem=force,min_replicas=0,replica_timeout=1")
+    return m.path
+
+
+def test_the_old_primary_back_before_the_new_one_writes_is_refused(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool, new, acked = _failover(work_dir, targets, mount_pool)
+    q = mount_pool(new, name="q", options=OPTS)
+    assert [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"]
+    old_epoch = _epoch(pool)
+    # Node A is back before Q wrote anything, and its service manager retries the mount.
+    for attempt in range(3):
+        err = _refused(mount_pool, pool, f"old{attempt}")
+        assert "taken over" in err and "nothing was changed" in err, err
+        assert _epoch(pool) == old_epoch  # a refused mount moves no epoch
+    # Q's acknowledged fsyncs are on both replicas.
+    more = {f"q{i}": bytes([97 + i]) * 7000 for i in range(3)}
+    for name, data in more.items():
+        write_fsync(q.path / name, data)
+    acked.update(more)
+    q.unmount()
+    assert cli("verify", new).returncode == 0
+    for t in targets:
+        assert pool_content(replica_file(t)) == pool_content(new), t.address
+    # Each replica's pool, copied, checks clean and mounts alone with every acknowledged write.
+    for i, t in enumerate(targets):
+        mnt = _alone(replica_file(t), work_dir, f"copy{i}", mount_pool)
+        for name, data in acked.items():
+            assert (mnt / name).read_bytes() == data, (t.address, name)
+
+
+def test_a_running_old_primary_is_fenced_when_the_new_one_claims_its_replicas(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "before", b"b" * 9000)
+    # While A still runs (a partition it cannot see, say), a new primary is made and mounted.
+    new = work_dir / "new.pool"
+    assert cli("recover", new, "--from", f"{targets[0].address}/app").returncode == 0
+    q = mount_pool(new, name="q", options=OPTS)
+    # A's writes no longer reach either replica: its fsync fails (min_replicas is all) ...
+    fd = os.open(a.path / "late", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * 5000)
+        try:
+            os.fsync(fd)
+            raise AssertionError("the fenced primary's fsync returned 0")
+        except OSError as e:
+            assert e.errno == errno.EIO
+    finally:
+        os.close(fd)
+    # ... and keeps failing: its reconnects are refused, naming the new owner.
+    assert wait_until(lambda: all("taken over" in (r.get("last_error") or "")
+                                  for r in status_json(a.path)["replicas"]), timeout=20), \
+        status_json(a.path)["replicas"]
+    # The new primary is untouched by all of it.
+    write_fsync(q.path / "after", b"q" * 9000)
+    q.unmount()
+    assert cli("verify", new).returncode == 0
+    for t in targets:
+        assert pool_content(replica_file(t)) == pool_content(new), t.address
+    a.kill9()
+
+
+def test_with_min_replicas_0_the_old_primary_mounts_alone_and_writes_no_replica(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool, new, _ = _failover(work_dir, targets, mount_pool)
+    q = mount_pool(new, name="q", options=OPTS)
+    write_fsync(q.path / "q", b"q" * 4000)
+    before = [pool_content(replica_file(t)) for t in targets]
+    old_epoch = _epoch(pool)
+    a = mount_pool(pool, name="alone", options=OPTS + ",min_replicas=0")
+    st = status_json(a.path)
+    assert st["fenced"] and "held by" in st["fenced"], st
+    write_fsync(a.path / "local-only", b"l" * 20000)
+    a.unmount()
+    assert _epoch(pool) == old_epoch
+    write_fsync(q.path / "q2", b"r" * 4000)  # the new primary still holds both replicas
+    assert [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"]
+    q.unmount()
+    for t in targets:
+        assert b"l" * 20000 not in pool_content(replica_file(t)), t.address
+        assert pool_content(replica_file(t)) == pool_content(new)
+    assert before[0] != pool_content(new)  # q2 reached them
+
+
+def _promote(new: Path, source: TargetProcess, *extra: str) -> dict[str, object]:
+    import json
+
+    res = cli("promote", new, "--from", f"{source.address}/app", "--json", *extra)
+    assert res.returncode == 0, res.stderr
+    return dict(json.loads(res.stdout))
+
+
+def test_promote_fences_the_old_primary_before_the_new_one_is_even_mounted(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    acked = {f"a{i}": bytes([65 + i]) * (4000 + 3000 * i) for i in range(3)}
+    for name, data in acked.items():
+        write_fsync(a.path / name, data)
+    a.kill9()
+    new = work_dir / "new.pool"
+    result = _promote(new, targets[0])
+    assert result["claimed"] == [f"{t.address}/app" for t in targets], result
+    assert result["replicas"] == [f"{t.address}/app" for t in targets], result  # never itself
+    # No window: the old primary is refused although the new one has not been mounted yet.
+    old_epoch = _epoch(pool)
+    err = _refused(mount_pool, pool, "old")
+    assert "taken over" in err and str(result["epoch"]) in err, err
+    assert _epoch(pool) == old_epoch
+    # Mounted with the default options, the new primary is clean everywhere at once.
+    q = mount_pool(new, name="q", options=OPTS)
+    assert [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"]
+    for name, data in acked.items():
+        assert (q.path / name).read_bytes() == data
+    verify = cli("verify", q.path)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    sync = cli("sync", q.path)
+    assert sync.returncode == 0, sync.stdout + sync.stderr
+    write_fsync(q.path / "q", b"q" * 5000)
+    q.unmount()
+    for t in targets:
+        assert pool_content(replica_file(t)) == pool_content(new), t.address
+
+
+def test_promote_with_a_replica_down_fences_it_when_it_returns(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "a", b"a" * 30000)
+    a.kill9()
+    targets[1].stop()
+    new = work_dir / "new.pool"
+    result = _promote(new, targets[0])
+    assert result["claimed"] == [f"{targets[0].address}/app"], result
+    assert f"{targets[1].address}/app" in dict(result["unreachable"]), result  # type: ignore[arg-type]
+    q = mount_pool(new, name="q", options=OPTS + ",min_replicas=1")
+    write_fsync(q.path / "q", b"q" * 30000)
+    again = targets[1].respawn(log_path=work_dir / "t1-again.log")
+    again.start()
+    targets.append(again)
+    # The new primary reaches it: claims it (a generation ahead of what it recorded), resyncs it.
+    assert wait_until(lambda: [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"],
+                      timeout=40), status_json(q.path)["replicas"]
+    # The old primary now finds both replicas taken.
+    err = _refused(mount_pool, pool, "old")
+    assert "taken over" in err, err
+    q.unmount()
+    assert cli("verify", new).returncode == 0
+    for t in (targets[0], again):
+        assert pool_content(replica_file(t)) == pool_content(new), t.address
+
+
+def test_promote_onto_an_older_copy_sends_only_what_differs(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "big", os.urandom(8 << 20))
+    a.unmount()
+    # Fail over to B, which writes a little; then fail back onto A's (older) pool file.
+    new = work_dir / "new.pool"
+    _promote(new, targets[0])
+    q = mount_pool(new, name="q", options=OPTS)
+    write_fsync(q.path / "small", b"s" * 4000)
+    q.unmount()
+    back = _promote(pool, targets[1])
+    assert 0 < int(back["chunks_differing"]) < 16, back  # type: ignore[call-overload]
+    assert int(back["bytes_copied"]) <= (4 << 20), back  # type: ignore[call-overload]  # of 64 MiB
+    m = mount_pool(pool, name="back", options=OPTS)
+    assert (m.path / "small").read_bytes() == b"s" * 4000
+    assert cli("verify", m.path).returncode == 0
+    m.unmount()

@@ -1,0 +1,111 @@
+"""Fencing: the target's decision (owners.refusal), its durable record (OwnerBook), and the
+initiator's side over the in-memory transport: a replica another primary claimed is never
+claimed, written, or resynced by the old one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import trio
+import trio.testing
+from mempool import new_pool
+from memtransport import MemTarget, MemTransport
+
+from rpmemfs.pool.layout import next_epoch
+from rpmemfs.replica import ReplicaSet, ReplicaSpec
+from rpmemfs.replica.fencing import probe_replicas
+from rpmemfs.target.owners import Owner, OwnerBook, refusal
+
+G1 = next_epoch(0, 0x1111)
+G2A = next_epoch(G1, 0xAAAA)
+G2B = next_epoch(G1, 0xBBBB)
+G3 = next_epoch(G2A, 0x3333)
+
+
+def test_a_normal_claim_is_let_in_where_this_lineage_left_the_pool() -> None:
+    assert refusal(None, G1, G2A, False) is None  # nobody claimed it yet
+    assert refusal(Owner(G1), G1, G2A, False) is None  # where this initiator left it
+    assert refusal(Owner(G2A), G1, G2A, False) is None  # a reconnect within one mount
+    assert refusal(Owner(G1), G2A, G3, False) is None  # a replica that missed a mount
+
+
+def test_a_normal_claim_is_refused_once_another_initiator_claimed_the_pool() -> None:
+    why = refusal(Owner(G2B, {"host": "nodeB", "pid": 7}), G1, G2A, False)
+    assert why and "nodeB" in why and "taken over" in why
+    assert refusal(Owner(G3), G1, G2A, False)  # a generation ahead
+    assert refusal(Owner(G2B), G2A, G3, False)  # same generation, another nonce
+
+
+def test_takeovers_need_a_higher_epoch_so_exactly_one_of_two_racing_wins() -> None:
+    low, high = sorted((G2A, G2B))
+    for first, second in ((low, high), (high, low)):
+        owner = Owner(G1)
+        assert refusal(owner, G1, first, True) is None
+        owner = Owner(first)
+        # the second takeover wins only if its epoch is the higher one, whatever the order
+        assert (refusal(owner, G1, second, True) is None) == (second == high)
+    assert refusal(Owner(G2A), G1, G2A, True)  # not above: refused
+
+
+def test_the_owner_record_is_durable_and_atomic(tmp_path: Path) -> None:
+    book = OwnerBook(str(tmp_path))
+    assert book.get("app") is None
+    book.set("app", Owner(G2A, {"host": "h", "pid": 1}, 123.0))
+    again = OwnerBook(str(tmp_path)).get("app")  # read back from disk, not the cache
+    assert again == Owner(G2A, {"host": "h", "pid": 1}, 123.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".app.owner"]  # no temp file left
+    (tmp_path / ".app.owner").write_text("{not json")
+    assert OwnerBook(str(tmp_path)).get("app") is None  # unreadable: the header's epoch fences
+    book.forget("app")
+    assert not (tmp_path / ".app.owner").exists()
+
+
+def test_holder_fields_are_checked() -> None:
+    from rpmemfs.target.owners import clean_holder
+
+    assert clean_holder({"host": "h" * 1000, "pid": "7", "evil": 1, "pool": "/p"}) == {
+        "host": "h" * 256, "pool": "/p"}
+    assert clean_holder([1, 2]) == {}
+    json.dumps(clean_holder({"host": "x", "pid": 3}))
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.buf, self.hdr = new_pool()
+        self.transport = MemTransport()
+        self.targets = [self.transport.add(MemTarget(f"10.0.0.{i + 1}:7420")) for i in range(2)]
+        for t in self.targets:
+            t.pools["app"] = bytearray(self.buf)
+        self.specs = [ReplicaSpec.make(t.address, "app") for t in self.targets]
+
+    async def open(self, prev: int, cur: int) -> ReplicaSet:
+        return await ReplicaSet.open(self.specs, memoryview(self.buf), self.hdr.uuid, None, lanes=1,
+                                     timeout=2.0, min_replicas=0, transport=self.transport,
+                                     epoch=(prev, cur), holder={"host": "me"})
+
+
+def test_an_old_primary_never_claims_or_writes_a_replica_another_one_claimed() -> None:
+    rig = Rig()
+    rig.targets[1].owners["app"] = Owner(G2B, {"host": "new-primary"})
+
+    async def main() -> None:
+        probes = await probe_replicas(rig.specs, None, 2.0, rig.transport)
+        assert [p.newer_than(G1) for p in probes] == [False, True]
+        assert "new-primary" in probes[1].owned_by()
+        rs = await rig.open(G1, G2A)
+        try:
+            assert [r.state for r in rs.replicas] == ["in-sync", "stale"]
+            assert "taken over" in (rs.replicas[1].last_error or "")
+            assert "new-primary" in (rs.replicas[1].last_error or "")
+            rig.buf[8192:8200] = b"changed!"
+            await rs.barrier([(8192, 8)])
+        finally:
+            await rs.aclose()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert rig.targets[0].owners["app"].epoch == G2A  # claimed, with who claimed it
+    assert rig.targets[0].owners["app"].holder == {"host": "me"}
+    assert rig.targets[1].owners["app"].epoch == G2B  # left to its owner...
+    assert rig.targets[1].pools["app"][8192:8200] != b"changed!"  # ...and never written
+    assert not [op for op in rig.targets[1].ops if op[0] == "write"]
