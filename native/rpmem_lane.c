@@ -67,7 +67,7 @@ static int yield_was_taken(void)
 /* ---- regions: published by Python, used here one frame at a time ---------------- */
 
 int rpm_region_publish(struct rpm_region *r, uint32_t key, char *base, uint64_t size,
-                       int pmem, struct rpm_counters *counters)
+                       int pmem, int writable, struct rpm_counters *counters)
 {
     if (__atomic_load_n(&r->live, __ATOMIC_SEQ_CST) ||
         __atomic_load_n(&r->inflight, __ATOMIC_SEQ_CST))
@@ -75,6 +75,7 @@ int rpm_region_publish(struct rpm_region *r, uint32_t key, char *base, uint64_t 
     r->base = base;
     r->size = size;
     r->pmem = pmem;
+    r->writable = writable;
     r->counters = counters;
     __atomic_store_n(&r->key, key, __ATOMIC_RELEASE);
     __atomic_store_n(&r->live, 1, __ATOMIC_SEQ_CST);
@@ -404,7 +405,7 @@ static int serve_one(struct rpm_lane *l, uint64_t deadline)
         goto out;
     switch (h.op) {
     case RPM_WIRE_OP_WRITE:
-        if (h.flags || h.length > RPM_WIRE_MAX_WRITE)
+        if (h.flags || h.length > RPM_WIRE_MAX_WRITE || !r->writable)
             break;
         l->start += RPM_WIRE_HEADER_SIZE;
         rc = do_write(l, &h, r, deadline);
@@ -416,7 +417,7 @@ static int serve_one(struct rpm_lane *l, uint64_t deadline)
         rc = do_read(l, &h, r, deadline);
         break;
     case RPM_WIRE_OP_ATOMIC_WRITE:
-        if (h.flags || h.length || h.offset % RPM_WIRE_ATOMIC_SIZE)
+        if (h.flags || h.length || h.offset % RPM_WIRE_ATOMIC_SIZE || !r->writable)
             break;
         l->start += RPM_WIRE_HEADER_SIZE;
         do_atomic(l, &h, r);

@@ -63,6 +63,8 @@ struct rpm_region {
     uint32_t live;
     int32_t inflight;
     int32_t pmem;
+    int32_t writable; /* 0: WRITE and ATOMIC_WRITE go to Python, which refuses them */
+    int32_t unused;
     char *base;
     uint64_t size;
     struct rpm_counters *counters;
@@ -99,7 +101,7 @@ struct rpm_lane {
 
 /* Fill a free slot (live == 0, inflight == 0) and make it live; -1 if not free. */
 int rpm_region_publish(struct rpm_region *r, uint32_t key, char *base, uint64_t size,
-                       int pmem, struct rpm_counters *counters);
+                       int pmem, int writable, struct rpm_counters *counters);
 /* Take a slot out of use; returns how many lanes are still inside a frame using it. */
 int rpm_region_retire(struct rpm_region *r);
 int rpm_region_inflight(struct rpm_region *r);

@@ -120,6 +120,7 @@ class ControlService:
             "uuid": uuid.hex() if uuid else None,
             "method": self._method,
             "pmem": region.pool.mapping.kind,
+            "writable": region.writable,
         }
 
     async def _create(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
@@ -182,8 +183,10 @@ class ControlService:
                 "method this target advertises",
                 "method",
             )
+        # Who does not claim a pool that someone claimed may read it, never write it.
+        writable = epoch is not None or self._owners.get(name) is None
         try:
-            region = session.register(pool)
+            region = session.register(pool, writable)
         except PoolError:
             self._store.release(pool)
             raise

@@ -212,11 +212,18 @@ class FrameLoop:
             )
         return region
 
+    def _writable(self, frame: Frame, length: int) -> Region:
+        region = self._region(frame, length)
+        if not region.writable:
+            raise Violation(Code.NOT_ALLOWED, f"{Op(frame.op).name} to pool {region.pool.name!r}, which "
+                            "this session opened without claiming it while another initiator owns it")
+        return region
+
     async def _write(self, frame: Frame) -> None:
         length = frame.length
         if length > MAX_WRITE:
             raise Violation(Code.TOO_LARGE, f"WRITE of {length} bytes exceeds the limit of {MAX_WRITE}")
-        pool = self._region(frame, length).pool
+        pool = self._writable(frame, length).pool
         off = frame.offset
         reader = self._reader
         if length <= reader.buffered:
@@ -253,7 +260,7 @@ class FrameLoop:
             raise Violation(Code.BAD_FRAME, f"ATOMIC_WRITE with length {frame.length} (it has no payload)")
         if frame.offset % ATOMIC_SIZE:
             raise Violation(Code.MISALIGNED, f"ATOMIC_WRITE at offset {frame.offset} is not 8-byte aligned")
-        pool = self._region(frame, ATOMIC_SIZE).pool
+        pool = self._writable(frame, ATOMIC_SIZE).pool
         # One aligned 8-byte store through a 'Q' view: no reader can see half of it.
         with pool.buf[frame.offset : frame.offset + ATOMIC_SIZE] as raw, raw.cast("Q") as word:
             word[0] = frame.imm

@@ -22,11 +22,12 @@ class RegionTable:
         # What each slot points into, kept alive here for as long as a lane could use it.
         self._keep: list[Pool | None] = [None] * MAX_REGIONS
 
-    def publish(self, key: int, pool: Pool) -> int:
+    def publish(self, key: int, pool: Pool, writable: bool = True) -> int:
         base = ffi.cast("char *", pool.mapping.base)
         for slot in range(MAX_REGIONS):
             if lib.rpm_region_publish(
-                ffi.addressof(self.c, slot), key, base, pool.size, int(pool.mapping.is_pmem), pool.counters.c
+                ffi.addressof(self.c, slot), key, base, pool.size, int(pool.mapping.is_pmem),
+                int(writable), pool.counters.c,
             ) == 0:
                 self._keep[slot] = pool
                 return slot

@@ -23,6 +23,9 @@ class Region:
     pool: Pool
     size: int
     slot: int
+    # False for a session that opened a pool someone claimed without claiming it itself
+    # (a reader: verify, recover, promote's copy): its writes are refused (fencing).
+    writable: bool = True
 
 
 @dataclass
@@ -33,13 +36,13 @@ class TargetSession:
     lanes: set[trio.CancelScope] = field(default_factory=set)
     table: RegionTable = field(default_factory=RegionTable)
 
-    def register(self, pool: Pool) -> Region:
+    def register(self, pool: Pool, writable: bool = True) -> Region:
         # Keys are random so a key seen on one session says nothing about another's.
         while True:
             key = secrets.randbits(32)
             if key and key not in self.regions:
                 break
-        region = Region(key, pool, pool.size, self.table.publish(key, pool))
+        region = Region(key, pool, pool.size, self.table.publish(key, pool, writable), writable)
         self.regions[key] = region
         return region
 

@@ -135,7 +135,9 @@ class VerbsService:
         region = session.regions[key]
         addr = int(ffi.cast("uintptr_t", region.pool.mapping.base))  # a cffi pointer, not a buffer
         rdma = self._rdma
-        mr = rdma.MR(state.pd, region.size, rdma.POOL_ACCESS | self.flush_access, address=addr)
+        # A reader of a pool another initiator claimed gets no remote write access (fencing).
+        access = rdma.POOL_ACCESS if region.writable else rdma.READ_ACCESS
+        mr = rdma.MR(state.pd, region.size, access | self.flush_access, address=addr)
         state.mrs[key] = mr
         return {"rkey": mr.rkey, "addr": addr}
 

@@ -51,6 +51,7 @@ SEND_DEPTH = 1024  # work requests an initiator's lane may have in its send queu
 CQ_DEPTH = SEND_DEPTH + 2 * CREDITS
 MAX_RDMA = 1 << 30  # one WRITE or READ moves at most this much
 POOL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+READ_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
 FLUSH_ACCESS = getattr(e, "IBV_ACCESS_FLUSH_GLOBAL", 0)  # rdma-core 45+; absent from 44
 # IB_UVERBS_DEVICE_FLUSH_GLOBAL (the kernel's uapi), a bit of device_cap_flags_ex that
 # rdma-core names nowhere; rxe sets it from Linux 6.2 on. A kernel without it refuses an MR

@@ -239,3 +239,40 @@ def test_promote_onto_an_older_copy_sends_only_what_differs(
     assert (m.path / "small").read_bytes() == b"s" * 4000
     assert cli("verify", m.path).returncode == 0
     m.unmount()
+
+
+def test_a_session_that_does_not_claim_a_claimed_pool_can_read_it_but_never_write_it(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """The way around fencing that must stay closed: opening a claimed pool without an epoch
+    (as verify and recover do) and writing through that registration."""
+    import pytest
+    import trio
+
+    from rpmemfs.transport.base import TransportError, barrier
+    from rpmemfs.transport.tcp import connect
+
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    q = mount_pool(pool, name="q", options=OPTS)  # claims both replicas
+    write_fsync(q.path / "f", b"f" * 5000)
+    before = replica_file(targets[1]).read_bytes()
+
+    async def rogue() -> None:
+        async with await connect(targets[1].address, None, lanes=1) as s:
+            region = await s.open_pool("app")
+            assert await s.lanes[0].read(region, 0, 4096) == before[:4096]  # reading is fine
+            with pytest.raises(TransportError):
+                await barrier(s.lanes[0], region, [(8192, b"X" * 4096)])
+        async with await connect(targets[1].address, None, lanes=1) as s:
+            region = await s.open_pool("app")
+            with pytest.raises(TransportError):  # posted without a reply: the lane is closed
+                await s.lanes[0].atomic_write(region, 8192, 0x5858585858585858)
+                await s.lanes[0].read(region, 0, 8)
+
+    trio.run(rogue)
+    assert replica_file(targets[1]).read_bytes()[8192:12288] == before[8192:12288]
+    # The owner was not disturbed either: its barriers still land on both replicas.
+    write_fsync(q.path / "g", b"g" * 5000)
+    assert [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"]
+    q.unmount()
+    assert cli("verify", pool).returncode == 0
