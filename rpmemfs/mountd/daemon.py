@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import pyfuse3
@@ -22,13 +22,13 @@ from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
-from rpmemfs.pmem import PMEM_MODES, PmemError, PoolMapping
-from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
+from rpmemfs.mountd.options import MountOptions, parse_options
+from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import write_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch, show_epoch
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaSet, ReplicaState
-from rpmemfs.replica.fencing import holder, probe_replicas
+from rpmemfs.replica.fencing import holder, new_epoch, probe_replicas
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
@@ -36,74 +36,6 @@ from rpmemfs.transport.auth import TokenError, read_token_file
 from rpmemfs.transport.base import TransportError
 
 log = logging.getLogger("rpmemfs.mount")
-
-# Options mount(8) and fstab hand every helper; they mean nothing to us.
-IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto", "user",
-           "nouser", "async", "defaults", "_netdev", "nofail", "atime", "noatime", "relatime"}
-
-
-@dataclass
-class MountOptions:
-    pmem: str = "auto"
-    log_level: str = "warning"
-    log_file: str | None = None
-    xattrs: bool = True
-    min_replicas: int | None = None  # None: all recorded replicas
-    replica_timeout: float = 10.0
-    token_file: str | None = None
-    writeback_cache: bool = False
-    poll_us: int = DEFAULT_POLL_US
-    allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
-    extra: list[str] = field(default_factory=list)
-
-
-def parse_options(opts: list[str]) -> MountOptions:
-    mo = MountOptions()
-    for group in opts:
-        for opt in group.split(","):
-            opt = opt.strip()
-            if not opt or opt in IGNORED or opt.startswith("x-"):
-                continue
-            key, _, value = opt.partition("=")
-            if key == "pmem":
-                if value not in PMEM_MODES:
-                    raise MountError(f"pmem= must be one of {', '.join(PMEM_MODES)}, not {value!r}")
-                mo.pmem = value
-            elif key == "debug":
-                mo.log_level = "debug"
-            elif key == "log_level":
-                mo.log_level = value
-            elif key == "log":
-                mo.log_file = value
-            elif key == "writeback_cache":
-                # Off by default, by measurement: see docs/benchmarks.md.
-                mo.writeback_cache = True
-            elif key == "noxattr":
-                mo.xattrs = False
-            elif key == "allow_other":
-                mo.allow_other = True
-            elif key == "min_replicas":
-                if not value.isdigit():
-                    raise MountError(f"min_replicas= needs a number, not {value!r}")
-                mo.min_replicas = int(value)
-            elif key == "replica_timeout":
-                try:
-                    mo.replica_timeout = float(value)
-                except ValueError:
-                    raise MountError(f"replica_timeout= needs seconds, not {value!r}") from None
-                if not 0 < mo.replica_timeout <= 3600:
-                    raise MountError("replica_timeout= must be between 0 and 3600 seconds")
-            elif key == "poll_us":
-                # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
-                if not value.isdigit() or int(value) > MAX_POLL_US:
-                    raise MountError(f"poll_us= needs microseconds from 0 to {MAX_POLL_US}, not {value!r}")
-                mo.poll_us = int(value)
-            elif key == "token_file":
-                mo.token_file = value
-            else:
-                raise MountError(f"unknown mount option {opt!r}")
-    return mo
-
 
 class Mounted:
     """A pool opened and served at a mountpoint."""
@@ -267,6 +199,16 @@ class Mounted:
             raise MountError(f"token file {self.token_file}: {e}") from None
         probes = await probe_replicas(self.specs, token, self.mo.replica_timeout)
         newer = [p for p in probes if p.newer_than(self.prev_epoch)]
+        takeover = self.mo.takeover
+        if newer and takeover:
+            # The operator says this copy wins: claim above every epoch seen, fencing the
+            # owner; the replicas are compared in full, since they hold the other's writes.
+            log.warning("pool %s takes its replicas over (-o takeover), fencing: %s", self.pool,
+                        "; ".join(f"{p.spec} held by {p.owned_by()}" for p in newer))
+            self.new_epoch = new_epoch([self.prev_epoch, *(p.epoch for p in probes if p.epoch is not None)])
+            for slot in range(len(self.specs)):
+                self.syncmap.set_full(slot)
+            newer = []
         if newer:
             self.fenced = "; ".join(f"replica {p.spec} is held by {p.owned_by()}" for p in newer)
             if self.min_replicas > 0:
@@ -290,8 +232,11 @@ class Mounted:
         self._begin(epoch)
         rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
                                    timeout=self.mo.replica_timeout, min_replicas=self.min_replicas,
-                                   syncmap=self.syncmap, epoch=(self.prev_epoch, epoch),
-                                   holder=holder(self.pool, self.mountpoint))
+                                   syncmap=self.syncmap,
+                                   # after a takeover this pool's lineage starts at its new epoch:
+                                   # a replica reached later is claimed like promote's are
+                                   epoch=(epoch, epoch) if takeover else (self.prev_epoch, epoch),
+                                   holder=holder(self.pool, self.mountpoint), takeover=takeover)
         usable = len(rs.in_sync)
         if usable < self.min_replicas:
             why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"

@@ -41,7 +41,8 @@ def _remote_uuid(head: bytes) -> bytes:
 
 async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, token: bytes | None,
                        lanes: int, epoch: tuple[int, int] | None, timeout: float,
-                       holder: Mapping[str, Any] | None = None) -> tuple[Session, RemoteRegion]:
+                       holder: Mapping[str, Any] | None = None,
+                       takeover: bool = False) -> tuple[Session, RemoteRegion]:
     """A checked session with the replica's pool (``size`` bytes, ``uuid``); ReplicaUnusable
     says why not. With ``epoch``, the pool is claimed (fencing.py), but only after the target
     said it holds this pool's replica and no newer owner."""
@@ -53,9 +54,9 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
             session = await tp.connect(spec.address, token, lanes=lanes, timeout=timeout)
             if epoch is not None:
                 problem = _check_probe(read_probe(spec, await session.probe_pool(spec.name)),
-                                       size, uuid, epoch)
+                                       size, uuid, epoch, takeover)
             if problem is None:
-                region = await session.open_pool(spec.name, epoch, holder=holder)
+                region = await session.open_pool(spec.name, epoch, holder=holder, takeover=takeover)
                 problem = await _check(spec, session, region, size, uuid)
     except TransportError as exc:
         problem = f"cannot open: {exc}"
@@ -74,14 +75,15 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
     raise ReplicaUnusable(problem)
 
 
-def _check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int]) -> str | None:
+def _check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int],
+                 takeover: bool = False) -> str | None:
     """Why claiming this replica would be wrong, from what its target said, or None."""
     if p.size is not None and p.size != size:
         return f"replica {p.spec}: remote pool is {p.size} bytes but the local pool is {size} bytes"
     if p.uuid is not None and p.uuid != uuid:
         return (f"replica {p.spec}: remote pool uuid {show_uuid(p.uuid)} does not match the local "
                 f"pool uuid {show_uuid(uuid)}; it is not a replica of this pool")
-    if p.epoch != epoch[1] and p.newer_than(epoch[0]):
+    if not takeover and p.epoch != epoch[1] and p.newer_than(epoch[0]):
         return (f"replica {p.spec} was taken over: it is held by {p.owned_by()}, and this pool was "
                 f"at epoch {show_epoch(epoch[0])}; it is fenced from writing it (see docs/failover.md)")
     return None

@@ -17,6 +17,7 @@ target applies to a normal claim, seen from this side.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 
 import trio
 
-from rpmemfs.pool.layout import epoch_gen, show_epoch
+from rpmemfs.pool.layout import epoch_gen, next_epoch, show_epoch
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import Transport, TransportError
 from rpmemfs.transport.choose import transport_for
@@ -49,6 +50,12 @@ class Probe:
 
     def owned_by(self) -> str:
         return self.owner or (f"epoch {show_epoch(self.epoch)}" if self.epoch is not None else "nobody")
+
+
+def new_epoch(seen: list[int]) -> int:
+    """An epoch above every one seen: the next generation after the highest."""
+    top = max(seen, default=0)
+    return next_epoch(top, secrets.randbits(32)) if epoch_gen(top) < 0xFFFFFFFF else top + 1
 
 
 def holder(pool: str, mountpoint: str | None = None, command: str = "mount") -> dict[str, Any]:

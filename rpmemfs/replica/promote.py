@@ -23,7 +23,6 @@ the old primary's does not.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,8 +32,8 @@ import trio
 
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import read_header, write_header
-from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError, epoch_gen, next_epoch, show_epoch
-from rpmemfs.replica.fencing import Probe, holder, probe_replicas
+from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError, show_epoch
+from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
 from rpmemfs.replica.repair import READ_STEP, RepairError, create_file, mark_others_full
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table
@@ -43,12 +42,6 @@ from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Trans
 from rpmemfs.transport.choose import transport_for
 
 Progress = Callable[[int, int], None]
-
-
-def new_epoch(seen: list[int]) -> int:
-    """An epoch above every one seen: the next generation after the highest."""
-    top = max(seen, default=0)
-    return next_epoch(top, secrets.randbits(32)) if epoch_gen(top) < 0xFFFFFFFF else top + 1
 
 
 async def _claim(spec: ReplicaSpec, token: bytes | None, epoch: int, who: dict[str, Any],
@@ -97,15 +90,25 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             raise RepairError(f"replica {source} is not in its own pool's replica table "
                               f"({', '.join(map(str, specs))}); promote from one of those")
         others = [s for s in specs if str(s) != str(source)]
+        specs_by_name = {str(s): s for s in specs}
         probes = [src_probe, *await probe_replicas(others, token, timeout)]
         seen = [hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)]
         epoch = new_epoch(seen)
         # Fence first: once a replica recorded this claim, the old primary cannot write it.
-        claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout)
-        with trio.fail_after(timeout):
-            session, region = await _claim(source, token, epoch, who, timeout, lanes=1)
-        async with session:
-            copied, compared, differing = await _copy(pool, hdr, session, region, force, progress, timeout)
+        try:
+            claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout)
+            with trio.fail_after(timeout):
+                session, region = await _claim(source, token, epoch, who, timeout, lanes=1)
+            async with session:
+                copied, compared, differing = await _copy(pool, hdr, session, region, force, progress,
+                                                          timeout)
+        except TransportError:
+            # Fenced mid-way (the copy's registration taken away) by a takeover that won?
+            await _check_still_held(specs, token, epoch, timeout)
+            raise
+        # A takeover with a higher epoch may have come meanwhile: then it won, and this one
+        # says so rather than hand the operator a primary whose mount would be refused.
+        await _check_still_held([specs_by_name[s] for s in [str(source), *claimed]], token, epoch, timeout)
     except TransportError as exc:
         raise RepairError(f"promote stopped: {exc}") from None
     except trio.TooSlowError:
@@ -115,6 +118,13 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             "replicas": [str(s) for s in specs], "claimed": [str(source), *claimed],
             "unreachable": unreachable, "bytes_copied": copied, "chunks_compared": compared,
             "chunks_differing": differing, "seconds": round(time.monotonic() - t0, 3)}
+
+
+async def _check_still_held(specs: list[ReplicaSpec], token: bytes | None, epoch: int,
+                            timeout: float) -> None:
+    for p in await probe_replicas(specs, token, timeout):
+        if p.error is None and p.epoch is not None and p.epoch > epoch:
+            raise RepairError(f"another takeover won: replica {p.spec} is held by {p.owned_by()}")
 
 
 async def _claim_others(specs: list[ReplicaSpec], probes: list[Probe], token: bytes | None, epoch: int,

@@ -95,6 +95,7 @@ class ReplicaSet(Barriers):
         slots: list[int] | None = None,
         progress: Callable[[int], None] | None = None,
         holder: Mapping[str, Any] | None = None,
+        takeover: bool = False,
     ) -> ReplicaSet:
         """Connect to every replica in parallel, check each against the local pool, and bring
         those that miss something up to date (from the sync map, or by comparing checksums).
@@ -112,15 +113,20 @@ class ReplicaSet(Barriers):
         if progress is not None:
             self.progress = progress
 
+        # A takeover claims past a newer owner once, when the set opens; reconnects later
+        # claim as usual (the replicas then hold this set's own epoch).
+        opening = [takeover]
+
         async def connect(replica: Replica) -> tuple[Session, RemoteRegion]:
             tp = transport or transport_for(replica.spec.transport)
             return await open_session(replica, tp, len(local_buf), uuid, token, lanes, epoch,
-                                      self.timeout, holder)
+                                      self.timeout, holder, opening[0])
 
         self._connect = connect
         async with trio.open_nursery() as nursery:
             for replica in replicas:
                 nursery.start_soon(self._bring_up, replica)
+        opening[0] = False
         return self
 
     async def _bring_up(self, replica: Replica) -> bool:

@@ -276,3 +276,79 @@ def test_a_session_that_does_not_claim_a_claimed_pool_can_read_it_but_never_writ
     assert [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"]
     q.unmount()
     assert cli("verify", pool).returncode == 0
+
+
+def test_two_takeovers_racing_one_wins_and_the_other_is_told_who(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    import subprocess
+    import sys
+
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "a", b"a" * 20000)
+    a.kill9()
+    news = [work_dir / "b.pool", work_dir / "c.pool"]
+    procs = [subprocess.Popen([sys.executable, "-m", "rpmemfs.cli", "promote", str(n), "--from",
+                               f"{targets[i].address}/app"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i, n in enumerate(news)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert 0 in codes, outs
+    for code, (_, err) in zip(codes, outs, strict=True):
+        if code:
+            assert "another takeover won" in err or "held by" in err, err
+    # Whatever each promote said, exactly one of the two pools holds the replicas now: it
+    # mounts, and the other's mount is refused naming it.
+    winners, losers = [], []
+    for i, n in enumerate(news):
+        if not n.exists():
+            continue
+        m = mount_pool(n, name=f"m{i}", options=OPTS, start=False)
+        try:
+            m.start()
+            winners.append((n, m))
+        except AssertionError as e:
+            losers.append((n, str(e)))
+    assert len(winners) == 1, (winners, losers)
+    win_pool, win = winners[0]
+    for _, err in losers:
+        assert "taken over" in err and str(win_pool) in err, err
+    write_fsync(win.path / "w", b"w" * 5000)
+    assert [r["state"] for r in status_json(win.path)["replicas"]] == ["in-sync", "in-sync"]
+    win.unmount()
+    for t in targets:
+        assert pool_content(replica_file(t)) == pool_content(win_pool), t.address
+
+
+def test_mount_takeover_fences_the_newer_owner_and_wins_the_replicas(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "a", b"a" * 9000)
+    a.unmount()
+    new = work_dir / "new.pool"
+    _promote(new, targets[0])
+    q = mount_pool(new, name="q", options=OPTS)
+    write_fsync(q.path / "q", b"q" * 9000)
+    # The operator decides A's copy wins after all.
+    back = mount_pool(pool, name="back", options=OPTS + ",takeover")
+    assert [r["state"] for r in status_json(back.path)["replicas"]] == ["in-sync", "in-sync"]
+    fd = os.open(q.path / "late", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * 5000)
+        try:
+            os.fsync(fd)
+            raise AssertionError("the fenced primary's fsync returned 0")
+        except OSError as e:
+            assert e.errno == errno.EIO
+    finally:
+        os.close(fd)
+    write_fsync(back.path / "b", b"b" * 9000)
+    assert not (back.path / "q").exists()
+    back.unmount()
+    assert cli("verify", pool).returncode == 0
+    for t in targets:
+        assert pool_content(replica_file(t)) == pool_content(pool), t.address
+    q.kill9()
