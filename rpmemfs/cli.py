@@ -1,10 +1,14 @@
-"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, promote, target,
-bench, soak, demo.
+"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, promote, pools,
+evict, target, bench, soak, demo.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
 an error rpmemfs reports on purpose is one line on stderr and exit status 1, a usage error one
 line and status 2, anything else one "internal error" line (its traceback at --log-level debug).
+
+Why this module is long: it is the one place where every command's arguments are declared and
+what a command raises is mapped; each command's body is a few lines handing over to its layer
+(a command of its own module would scatter the argument declarations again).
 """
 
 from __future__ import annotations
@@ -279,6 +283,34 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pools(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.target.admin import ask, format_pools
+
+    try:
+        reply = trio.run(ask, args.address, _token(args.token_file), {"op": "pools"}, args.timeout)
+    except ValueError as e:
+        raise CliError(f"{args.address}: {e}") from None
+    pools = reply.get("pools", {})
+    print(json.dumps(pools, indent=2) if args.json else format_pools(args.address, pools))
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    import trio
+
+    from rpmemfs.target.admin import ask
+
+    try:
+        reply = trio.run(ask, args.address, _token(args.token_file), {"op": "evict", "name": args.name},
+                         args.timeout)
+    except ValueError as e:
+        raise CliError(f"{args.address}: {e}") from None
+    print(f"evicted the writing session of {args.name} on {args.address} (peer {reply.get('evicted')})")
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from rpmemfs.fs.check import check, format_report
     from rpmemfs.pmem import PoolMapping
@@ -419,6 +451,18 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="replace an existing file that is not a copy of the pool")
     s.add_argument("--json", action="store_true")
+
+    s = command("pools", cmd_pools, "a target's pools: owner, epoch, writer, sessions, last activity")
+    s.add_argument("address", metavar="[tcp://|rdma://]HOST:PORT")
+    s.add_argument("--token-file", help="token for the target")
+    s.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    s.add_argument("--json", action="store_true")
+
+    s = command("evict", cmd_evict, "drop the session writing a pool on a target (it is gone, say)")
+    s.add_argument("address", metavar="[tcp://|rdma://]HOST:PORT")
+    s.add_argument("name", help="the pool's name on the target")
+    s.add_argument("--token-file", help="token for the target")
+    s.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
 
     command("target", cmd_target, "the replica-node daemon (see `rpmemfs target --help`)",
             own_options=True)

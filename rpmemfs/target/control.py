@@ -60,6 +60,7 @@ class ControlService:
         # The one session that may write each pool (it claimed it under an epoch): a newer
         # claim takes its registration away, so an old primary's lanes stop landing writes.
         self._writers: dict[str, tuple[TargetSession, int]] = {}
+        self.activity: dict[str, float] = {}  # pool name -> when its counters last moved
         sessions.hooks.append(self)
 
     # SessionHook: a writer's registration or session went.
@@ -84,6 +85,10 @@ class ControlService:
                 return self._open(session, request)
             if op == "probe":
                 return self._probe(request)
+            if op == "pools":
+                return {"ok": True, "pools": self._pools()}
+            if op == "evict":
+                return self._evict(session, request)
             if op == "close":
                 return self._close(session, request)
             if op == "remove":
@@ -152,6 +157,60 @@ class ControlService:
         writer = self._writers.get(name)
         return {"ok": True, "name": name, "size": size, "uuid": hdr.uuid.hex() if hdr else None,
                 "owner": owner.as_dict() if owner else None, "writer": writer[0].peer if writer else None}
+
+    def _pools(self) -> dict[str, Any]:
+        """Every pool in the directory: size, owner, writer, sessions, activity, counters."""
+        out: dict[str, Any] = {}
+        pool_dir = self._store.pool_dir
+        for name in sorted(os.listdir(pool_dir)):
+            try:
+                path = pool_path(pool_dir, name, must_exist=True)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except (PoolNameError, OSError):
+                continue  # not a pool: owner records, temporary files, anything else
+            try:
+                head = os.pread(fd, 2 * BLOCK, 0)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            hdr = find_header(memoryview(head))
+            owner = self._owner(name, hdr.epoch if hdr else None)
+            writer = self._writers.get(name)
+            out[name] = {
+                "size": size,
+                "owner": owner.as_dict() if owner else None,
+                "writer": writer[0].peer if writer else None,
+                "sessions": self._sessions.holding(name),
+                "last_activity": self.activity.get(name),
+                **self._store.stats(name)[name],
+            }
+        return out
+
+    def _evict(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        """Drop the registration of a pool's writing session (an administrator cleaning up
+        after an initiator that is gone but whose connection the target has not seen die).
+        Its owner record stays: the same initiator may claim it again."""
+        name = check_name(request.get("name"))
+        writer = self._writers.get(name)
+        if writer is None:
+            raise PoolError(f"pool {name!r} has no writing session", "request")
+        peer = writer[0].peer
+        log.warning("pool %s: writer %s evicted by %s", name, peer, session.peer)
+        self._sessions.unregister(*writer)
+        return {"ok": True, "evicted": peer}
+
+    async def watch_activity(self, interval: float = 1.0) -> None:
+        """When each open pool was last written, flushed or read (status wants it; the lanes'
+        C loops only count, so the counts are sampled)."""
+        seen: dict[str, tuple[int, ...]] = {}
+        while True:
+            for name, counters in self._store.stats().items():
+                now = tuple(v for k, v in counters.items() if k != "open")
+                if seen.get(name) != now:
+                    if name in seen or any(now):  # (first seen with counts: active just now)
+                        self.activity[name] = time.time()
+                    seen[name] = now
+            await trio.sleep(interval)
 
     def _stats(self, name: str | None) -> dict[str, Any]:
         pools = self._store.stats(name)

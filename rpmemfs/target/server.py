@@ -91,6 +91,7 @@ class Server:
                 )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._stop_on_signal, signals, nursery.cancel_scope)
+                    nursery.start_soon(self.control.watch_activity)
                     if self.config.rdma:
                         self._start_verbs(listener, nursery)
                     await self._accept_loop(listener, nursery)

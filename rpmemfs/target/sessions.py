@@ -77,6 +77,11 @@ class SessionTable:
     def get(self, sid: bytes) -> TargetSession | None:
         return self._sessions.get(sid)
 
+    def holding(self, name: str) -> list[str]:
+        """The peers of the sessions that have pool ``name`` open."""
+        return [s.peer for s in self._sessions.values()
+                if any(r.pool.name == name for r in s.regions.values())]
+
     def unregister(self, session: TargetSession, key: int) -> Region | None:
         region = session.regions.pop(key, None)
         if region is None:

@@ -352,3 +352,45 @@ def test_mount_takeover_fences_the_newer_owner_and_wins_the_replicas(
     for t in targets:
         assert pool_content(replica_file(t)) == pool_content(pool), t.address
     q.kill9()
+
+
+def test_a_target_says_who_owns_its_pools_and_an_administrator_can_evict_a_writer(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    import json
+
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    q = mount_pool(pool, name="q", options=OPTS)
+    write_fsync(q.path / "f", b"f" * 5000)
+    t = targets[1]
+    res = cli("pools", t.address, "--json")
+    assert res.returncode == 0, res.stderr
+    pools = json.loads(res.stdout)
+    assert list(pools) == ["app"], pools  # the owner record beside it is not a pool
+    app = pools["app"]
+    assert app["owner"]["epoch_shown"] == _epoch(pool)
+    assert app["owner"]["holder"]["pool"] == str(pool)
+    assert app["owner"]["holder"]["pid"] == q.proc.pid if q.proc else False
+    assert app["writer"] and len(app["sessions"]) == 1 and app["writes"] > 0
+    assert wait_until(lambda: json.loads(cli("pools", t.address, "--json").stdout)["app"]["last_activity"],
+                      timeout=10)
+    table = cli("pools", t.address)
+    assert table.returncode == 0 and "app" in table.stdout and _epoch(pool) in table.stdout, table.stdout
+    # Evicting the writer drops its registration: its next barrier fails there, and the
+    # replica falls behind until the same mount claims it again (its own epoch: let in).
+    ev = cli("evict", t.address, "app")
+    assert ev.returncode == 0, ev.stderr
+    fd = os.open(q.path / "g", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"g" * 5000)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            assert e.errno == errno.EIO  # min_replicas is all: the evicted replica missed it
+    finally:
+        os.close(fd)
+    assert wait_until(lambda: [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"],
+                      timeout=30), status_json(q.path)["replicas"]
+    assert cli("evict", t.address, "nope").returncode == 1
+    q.unmount()
+    assert cli("verify", pool).returncode == 0

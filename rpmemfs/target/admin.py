@@ -1,0 +1,57 @@
+"""Asking a target daemon from the command line: which pools it holds, who owns each, and
+evicting a writing session (`rpmemfs pools`, `rpmemfs evict`).
+
+What failover needs to see at a glance: per pool, the owner's epoch and who it is (host, pid,
+pool, since when), the session writing it now, how many sessions have it open, and when it was
+last written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rpmemfs.transport.address import parse_address
+from rpmemfs.transport.tcp import connect
+from rpmemfs.units import human
+
+SCHEMES = ("tcp://", "rdma://")
+
+
+def _plain(address: str) -> str:
+    for scheme in SCHEMES:
+        if address.startswith(scheme):
+            address = address[len(scheme):]
+    parse_address(address)  # ValueError with the reason, for the CLI to show
+    return address
+
+
+async def ask(address: str, token: bytes | None, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One control request to the target at ``address`` (its control port is TCP always)."""
+    async with await connect(_plain(address), token, lanes=0, timeout=timeout) as session:
+        return await session.control(request)
+
+
+def _when(ts: object) -> str:
+    if not isinstance(ts, (int, float)) or not ts:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def format_pools(address: str, pools: dict[str, Any]) -> str:
+    rows = [("pool", "size", "owner epoch", "owner", "since", "writer", "sessions", "last activity")]
+    for name, p in pools.items():
+        owner = p.get("owner") or {}
+        holder = owner.get("holder") or {}
+        who = holder.get("host", "-")
+        if "pid" in holder:
+            who += f" pid {holder['pid']}"
+        if "pool" in holder:
+            who += f" {holder['pool']}"
+        rows.append((name, human(int(p.get("size", 0))), owner.get("epoch_shown", "-"), who,
+                     _when(owner.get("since")), p.get("writer") or "-", str(len(p.get("sessions", []))),
+                     _when(p.get("last_activity"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"target {address}: {len(pools)} pools"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
