@@ -394,3 +394,42 @@ def test_a_target_says_who_owns_its_pools_and_an_administrator_can_evict_a_write
     assert cli("evict", t.address, "nope").returncode == 1
     q.unmount()
     assert cli("verify", pool).returncode == 0
+
+
+def test_promote_killed_at_random_moments_leaves_every_replica_consistent(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    acked = {f"f{i}": os.urandom(300_000) for i in range(30)}
+    for name, data in acked.items():
+        write_fsync(a.path / name, data)
+    a.kill9()
+    new = work_dir / "new.pool"
+    rng = random.Random(14)
+    for attempt in range(5):
+        p = subprocess.Popen([sys.executable, "-m", "rpmemfs.cli", "promote", str(new), "--from",
+                              f"{targets[0].address}/app", "--force"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.05, 0.6))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        # Promote only reads from the replicas: each still checks clean and mounts alone.
+        for i, t in enumerate(targets):
+            mnt = _alone(replica_file(t), work_dir, f"copy{attempt}-{i}", mount_pool)
+            assert (mnt / "f7").read_bytes() == acked["f7"]
+    # The old primary is fenced wherever a killed promote got to claim; a promote run to the
+    # end then takes over everything, and the new primary has every acknowledged write.
+    result = _promote(new, targets[0], "--force")
+    assert len(result["claimed"]) == 2, result  # type: ignore[arg-type]
+    q = mount_pool(new, name="q", options=OPTS)
+    for name, data in acked.items():
+        assert (q.path / name).read_bytes() == data, name
+    assert "taken over" in _refused(mount_pool, pool, "old")
+    q.unmount()
