@@ -158,7 +158,9 @@ def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
     return pool, specs
 
 
-def _chunk(text: str) -> int:
+def _chunk(text: str | None) -> int | None:
+    if text is None:
+        return None  # the pool's own chunk, which sync counts in too
     try:
         chunk = parse_size(text)
     except ValueError as e:
@@ -198,7 +200,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     chunk = _chunk(args.chunk)
     if os.path.isdir(args.pool) and os.path.ismount(args.pool):
-        report = report_from_dict(_ask_mount(args.pool, f"verify {chunk}", "verify"))
+        request = "verify" if chunk is None else f"verify {chunk}"
+        report = report_from_dict(_ask_mount(args.pool, request, "verify"))
     else:
         opened = _replicated_pool(args.pool, args.token_file, "verify", writable=False)
         with opened as (pool, pm, specs, token):
@@ -367,7 +370,8 @@ def build_parser() -> ArgumentParser:
 
     s = command("verify", cmd_verify, "compare a pool with its replicas by chunk checksums")
     s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
-    s.add_argument("--chunk", default="1M", help="checksum chunk size (default 1M)")
+    s.add_argument("--chunk", help="checksum chunk size (default: the pool's sync map chunk, "
+                   "64K for pools up to 4G, the unit sync counts in too)")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
     s.add_argument("--json", action="store_true")
 

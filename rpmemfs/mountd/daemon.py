@@ -30,7 +30,7 @@ from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaSet, ReplicaState
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
-from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
+from rpmemfs.replica.verify import VerifyReport, content_size, pool_chunk
 from rpmemfs.transport.auth import TokenError, read_token_file
 from rpmemfs.transport.base import TransportError
 
@@ -302,7 +302,7 @@ class Mounted:
         if rs is None:
             return {"error": f"{self.pool} has no replicas to verify"}
         try:
-            chunk = int(args[0]) if args else DEFAULT_CHUNK
+            chunk = int(args[0]) if args else pool_chunk(self.mapping.buf)
         except ValueError:
             return {"error": f"bad chunk size {args[0]!r}"}
         if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
@@ -340,7 +340,8 @@ class Mounted:
                     entry["error"] = (f"not in sync ({r.state}: {r.last_error}); it is compared in "
                                       "full when it is back")
                 results.append(entry)
-            return {"pool": self.pool, "seconds": round(time.monotonic() - t0, 3), "replicas": results,
+            return {"pool": self.pool, "size": len(self.mapping.buf), "chunk": pool_chunk(self.mapping.buf),
+                    "seconds": round(time.monotonic() - t0, 3), "replicas": results,
                     "clean": all("error" not in e for e in results)}
 
         return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)

@@ -16,12 +16,11 @@ import trio
 
 from rpmemfs.replica.barriers import Barriers
 from rpmemfs.replica.replica import RESYNCING, Replica
-from rpmemfs.replica.verify import content_size, differing_chunks
+from rpmemfs.replica.verify import content_size, count_chunks, differing_chunks, pool_chunk
 
 log = logging.getLogger(__name__)
 
 COPY_BATCH = 8 << 20  # bytes per barrier while resyncing
-COMPARE_CHUNK = 1 << 20  # checksum chunk when the pool has no sync map
 MAX_PASSES = 8  # resync passes outside the barrier lock before the last one under it...
 LAST_PASS_CHUNKS = 64  # ...or fewer chunks left than this
 
@@ -77,7 +76,7 @@ async def _send_missing(rs: Barriers, replica: Replica, totals: dict[str, int],
     totals["passes"] += 1
     if not runs:
         return 0
-    totals["chunks_sent"] += sum(-(-n // rs.syncmap.chunk) for _, n in runs)
+    totals["chunks_sent"] += count_chunks(runs, rs.syncmap.chunk)
     try:
         return await copy(rs, replica, runs, "resync", progress)
     except BaseException:
@@ -93,7 +92,8 @@ async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, i
     ``compared`` and ``copied`` count the bytes compared and copied."""
     assert replica.session is not None and replica.region is not None
     limit = content_size(rs.local_buf)
-    chunk = rs.syncmap.chunk if rs.syncmap and rs.syncmap.enabled else COMPARE_CHUNK
+    # The sync map's chunk, which is also what verify counts in (verify.pool_chunk).
+    chunk = rs.syncmap.chunk if rs.syncmap and rs.syncmap.enabled else pool_chunk(rs.local_buf)
     replica.resync = {"phase": "compare", "done": 0, "total": limit}
 
     def compared_some(n: int) -> None:
@@ -103,7 +103,7 @@ async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, i
 
     n_compared, runs = await differing_chunks(replica.session, replica.region, rs.local_buf,
                                               [(0, limit)], chunk, compared_some, rs.timeout)
-    differing = sum(-(-n // chunk) for _, n in runs)
+    differing = count_chunks(runs, chunk)
     totals["compared_chunks"] += n_compared
     totals["differing_chunks"] += differing
     totals["chunks_sent"] += differing

@@ -22,6 +22,7 @@ from memtransport import MemTarget, MemTransport
 from rpmemfs.pool.layout import BLOCK, Header
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaError, ReplicaSet, ReplicaSpec
+from rpmemfs.replica.replica_set import DEFAULT_RECONNECT, MAX_RECONNECT, PROBE_INTERVAL
 
 TIMEOUT = 2.0
 NAME = "app"
@@ -49,9 +50,11 @@ class Rig:
         self.specs = [ReplicaSpec.make(t.address, NAME) for t in self.targets]
 
     async def open(self, min_replicas: int | None = None, timeout: float = TIMEOUT) -> ReplicaSet:
-        return await ReplicaSet.open(self.specs, self.local, self.hdr.uuid, None, lanes=2, timeout=timeout,
-                                     min_replicas=min_replicas, transport=self.transport,
-                                     syncmap=self.syncmap)
+        rs = await ReplicaSet.open(self.specs, self.local, self.hdr.uuid, None, lanes=2, timeout=timeout,
+                                   min_replicas=min_replicas, transport=self.transport,
+                                   syncmap=self.syncmap)
+        rs.probe = self.transport.probe
+        return rs
 
     def scribble(self, ranges: list[tuple[int, int]]) -> None:
         """Change the local pool there (as the filesystem would before a durability point)."""
@@ -388,6 +391,91 @@ def test_a_hung_replica_that_resumes_is_brought_back_by_keep() -> None:
             await until(lambda: states(rs) == ["in-sync"] * 3)
             assert rig.identical(0)
             nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)]
+
+
+def test_reconnect_attempts_back_off_to_at_most_max_reconnect() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+
+        async def silent(address: str) -> bool:
+            return False  # a port that never answers: only the backoff brings it back
+
+        rs.probe = silent
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            target.drop()
+            await rs.barrier([data(rig.hdr, 1)])
+            t0 = trio.current_time()
+            await trio.sleep(600)  # a long outage
+            tried = [t for t in target.attempts if t > t0]
+            assert tried[0] - t0 == pytest.approx(DEFAULT_RECONNECT)
+            assert gaps(tried)[:3] == [2 * DEFAULT_RECONNECT, 4 * DEFAULT_RECONNECT, MAX_RECONNECT]
+            assert max(gaps(tried)) == MAX_RECONNECT == 5.0
+            back = trio.current_time()
+            target.restart()
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert trio.current_time() - back <= MAX_RECONNECT
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_target_that_accepts_connections_again_is_tried_at_once() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            target.drop()
+            missed = [data(rig.hdr, 7)]
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            t0 = trio.current_time()
+            await trio.sleep(100.1)  # the backoff is at its cap: the next attempt is seconds away
+            tried = [t for t in target.attempts if t > t0]
+            # The probes woke nobody while the target was down: full attempts as the backoff says.
+            assert len(tried) == len([t for t in (1, 3, 7, *range(12, 101, 5)) if t <= 100.1])
+            back = trio.current_time()
+            target.restart()
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert trio.current_time() - back <= PROBE_INTERVAL
+            assert target.probes == 1  # the probe that saw it back, then the attempt
+            assert rig.identical(1)
+            assert rs.status()[1]["last_error"] is None
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_target_that_is_up_but_refuses_is_not_retried_faster() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rig.targets[1].pools[NAME] = other_pool()
+        rs = await rig.open(min_replicas=1)
+        target = rig.targets[1]
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await trio.sleep(60)
+            nursery.cancel_scope.cancel()
+        tried = [t for t in target.attempts if t > t0]
+        assert max(gaps(tried)) == MAX_RECONNECT
+        assert len(tried) <= 14  # 1, 3, 7, then every 5 s
+        # One probe per wait (which finds it accepting, so the wait runs its course).
+        assert target.probes <= len(tried) + 1
+        assert states(rs) == ["in-sync", "stale"]
         await rs.aclose()
 
     run(main)
