@@ -67,6 +67,9 @@ async def repair_live(rs: Barriers, replica: Replica, compared: Callable[[int], 
                                                         compared=compared, copied=copied)
     except (TransportError, trio.TooSlowError) as exc:
         replica.fail(f"repair failed: {exc}")
+        if rs.syncmap is not None:
+            # What it found to differ and did not send is known nowhere else.
+            rs.syncmap.set_full(replica.slot)
         raise
     finally:
         replica.resync = None

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import trio
 
 from rpmemfs.replica.barriers import Barriers
-from rpmemfs.replica.replica import RESYNCING, Replica
+from rpmemfs.replica.replica import IN_SYNC, RESYNCING, Replica
 from rpmemfs.replica.verify import content_size, count_chunks, differing_chunks, pool_chunk
+from rpmemfs.transport.base import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,14 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
             totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
     async with rs.lock:
         if syncmap is not None:
-            totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
+            try:
+                # Every fsync waits while this lock is held: never longer than a barrier
+                # may take. What is not sent in time stays marked for the next attempt.
+                with trio.fail_after(rs.timeout):
+                    totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
+            except trio.TooSlowError:
+                raise TransportError(str(replica.spec), f"the last resync pass did not end within "
+                                     f"{rs.timeout:g}s (fsyncs wait for it)", lane_lost=True) from None
         if replica.state is not RESYNCING:
             # A barrier posted on its previous session failed meanwhile, and may have marked
             # what it missed after the last pass took the map: its keeper tries again.
@@ -108,19 +116,18 @@ async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, i
     totals["differing_chunks"] += differing
     totals["chunks_sent"] += differing
     log.info("replica %s: %d of %d chunks differ", replica.spec, differing, n_compared)
-    if not locked:
-        return await copy(rs, replica, runs, "repair", copied)
-    async with rs.lock:
-        # Current content: anything written since the comparison is newer still, and
-        # barriers cannot overtake this copy while the lock is held and none is in
-        # flight.
-        await rs.drain()
-        return await copy(rs, replica, runs, "repair", copied)
+    return await copy(rs, replica, runs, "repair", copied, locked=locked)
 
 
 async def copy(rs: Barriers, replica: Replica, runs: list[tuple[int, int]], phase: str,
-               progress: Callable[[int], None]) -> int:
-    """Write ``runs`` of the local pool to the replica in barriers of COPY_BATCH bytes."""
+               progress: Callable[[int], None], *, locked: bool = False) -> int:
+    """Write ``runs`` of the local pool to the replica in barriers of COPY_BATCH bytes.
+
+    ``locked``, for a replica that takes barriers meanwhile: each batch under the barrier
+    lock, with no barrier in flight, so that it places current content and no barrier
+    overtakes it (anything written since the comparison is newer still). The lock is taken
+    per batch and held for at most ``rs.timeout``: fsyncs wait for one batch, never for the
+    whole repair, nor past the replica timeout when a link is cut."""
     assert replica.region is not None and replica.lanes
     total = sum(n for _, n in runs)
     replica.resync = {"phase": phase, "done": 0, "total": total}
@@ -129,15 +136,27 @@ async def copy(rs: Barriers, replica: Replica, runs: list[tuple[int, int]], phas
     size = 0
     last_log = time.monotonic()
 
-    async def flush() -> None:
-        nonlocal size, last_log
+    async def send() -> None:
         writes = [(off, rs.local_buf[off : off + n]) for off, n in batch]
         try:
-            with trio.fail_after(rs.timeout):
-                await lane.barrier(replica.region, writes)  # type: ignore[arg-type]
+            await lane.barrier(replica.region, writes)  # type: ignore[arg-type]
         finally:
             for _, view in writes:
                 view.release()
+
+    async def flush() -> None:
+        nonlocal size, last_log
+        if locked:
+            async with rs.lock:
+                with trio.fail_after(rs.timeout):
+                    await rs.drain()
+                    if replica.state is not IN_SYNC:
+                        # A barrier failed on it meanwhile: its lanes are as good as gone.
+                        raise TransportError(str(replica.spec), f"fell out of sync during the {phase}")
+                    await send()
+        else:
+            with trio.fail_after(rs.timeout):
+                await send()
         assert replica.resync is not None
         replica.resync["done"] += size
         progress(size)

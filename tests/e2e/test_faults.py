@@ -219,9 +219,14 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
     res = cli("sync", m.path, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(res.stdout)
-    assert summary["replicas"][0]["differing_chunks"] == 1, summary
-    assert summary["replicas"][1]["differing_chunks"] == 0, summary
-    assert summary["replicas"][0]["bytes_sent"] <= 1 << 20, summary
+    # verify and sync count in the same chunks, and report them alike.
+    assert summary["chunk"] == report["chunk"] == 64 << 10, (summary, report)
+    for counted in (report, summary):
+        assert [r["differing_chunks"] for r in counted["replicas"]] == [1, 0], counted
+        assert counted["replicas"][0]["compared_chunks"] == counted["replicas"][1]["compared_chunks"] > 0
+    assert summary["replicas"][0]["compared_chunks"] == report["replicas"][0]["compared_chunks"]
+    assert summary["replicas"][0]["chunks_sent"] == 1, summary
+    assert summary["replicas"][0]["bytes_sent"] == summary["chunk"], summary
     assert cli("verify", m.path).returncode == 0
     m.unmount()
     # And on the unmounted pool: damage, verify finds it, sync repairs only that chunk.
@@ -229,11 +234,17 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
         f.seek(4096 + 100)  # the backup header block: metadata, not data
         f.write(b"\x00\x01\x02")
     res = cli("verify", pool, "--json")
-    assert res.returncode == 1 and json.loads(res.stdout)["replicas"][1]["differing"], res.stdout
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and report["replicas"][1]["differing"], res.stdout
     res = cli("sync", pool, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(res.stdout)
-    assert [r["differing_chunks"] for r in summary["replicas"]] == [0, 1], summary
+    for counted in (report, summary):
+        assert [r["differing_chunks"] for r in counted["replicas"]] == [0, 1], counted
+    assert ([r["compared_chunks"] for r in summary["replicas"]]
+            == [r["compared_chunks"] for r in report["replicas"]]), (summary, report)
+    text = cli("sync", pool)
+    assert text.returncode == 0 and "chunks compared, 0 differing, 0 chunks sent" in text.stdout, text.stdout
     res = cli("verify", pool)
     assert res.returncode == 0, res.stdout + res.stderr
     local = pool_content(pool)

@@ -9,6 +9,7 @@ no real time, and durations are exact.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +23,7 @@ from memtransport import MemTarget, MemTransport
 from rpmemfs.pool.layout import BLOCK, Header
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaError, ReplicaSet, ReplicaSpec
+from rpmemfs.replica import resync as resync_module
 from rpmemfs.replica.replica_set import DEFAULT_RECONNECT, MAX_RECONNECT, PROBE_INTERVAL
 
 TIMEOUT = 2.0
@@ -551,6 +553,123 @@ def test_an_unreachable_replica_at_open_joins_once_it_is_up() -> None:
             await until(lambda: states(rs) == ["in-sync"] * 2)
             assert rig.identical(1)
             nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+# ------------------------------------------------------------------ the barrier lock
+
+
+async def timed_barrier(rs: ReplicaSet, ranges: list[tuple[int, int]]) -> float:
+    """A barrier posted under the barrier lock, as a durability point posts it; how long it took."""
+    t = trio.current_time()
+    async with rs.lock:
+        flight = rs.post(ranges)
+    await rs.complete(flight)
+    return trio.current_time() - t
+
+
+def test_a_slow_last_resync_pass_holds_barriers_no_longer_than_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            target.drop()
+            missed = [data(rig.hdr, 16 * i) for i in range(8)]  # 8 chunks: 8 copy batches
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            # Each batch answered within the timeout, but 8 of them take 12 s: the last pass
+            # (under the barrier lock: 8 chunks is a small one) must give up at the timeout.
+            target.reply_delays([1.5] * 8)
+            target.restart()
+            await until(lambda: rs.replicas[1].state == "resyncing")
+            waited = await timed_barrier(rs, [data(rig.hdr, 300)])
+            assert waited <= TIMEOUT
+            await until(lambda: rs.replicas[1].state == "stale", limit=0.1)
+            assert "last resync pass did not end within 2s" in (rs.replicas[1].last_error or "")
+            # Tried again (the delays run out): everything reaches it.
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert rig.identical(1)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+@pytest.fixture
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checksums computed in the task, not a worker thread: MockClock jumps ahead while a
+    thread runs, so timings measured around one would be whatever the jumps made them."""
+    async def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+
+
+def _damage(rig: Rig, i: int, blocks: list[int]) -> None:
+    pool = rig.targets[i].pools[NAME]
+    for b in blocks:
+        off, n = data(rig.hdr, b)
+        pool[off: off + n] = os.urandom(n)
+
+
+def test_a_live_repair_holds_barriers_for_one_batch_at_a_time(
+        monkeypatch: pytest.MonkeyPatch, inline_threads: None) -> None:
+    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        _damage(rig, 1, [16 * i for i in range(8)])
+        rig.targets[1].delay(0.5)  # every flush: a batch of the repair, a barrier
+        result: dict[str, Any] = {}
+
+        async def repair() -> None:
+            result.update(await rs.repair(rs.replicas[1]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(repair)
+            await until(lambda: (rs.replicas[1].resync or {}).get("phase") == "repair")
+            waits = [await timed_barrier(rs, [data(rig.hdr, 300 + k)]) for k in range(3)]
+        # Each waited for one batch (0.5 s) and its own flush (0.5 s), not the whole repair (4 s).
+        assert max(waits) <= 1.0 + 0.05, waits
+        assert result["differing_chunks"] == 8 and result["chunks_sent"] == 8
+        assert rig.identical(1) and states(rs) == ["in-sync"] * 2
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_cut_link_during_a_live_repair_holds_barriers_no_longer_than_the_timeout(
+        monkeypatch: pytest.MonkeyPatch, inline_threads: None) -> None:
+    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        _damage(rig, 1, [16 * i for i in range(8)])
+        rig.targets[1].reply_delays([math.inf])  # the first batch of the repair is never answered
+
+        async def repair() -> None:
+            with pytest.raises(trio.TooSlowError):
+                await rs.repair(rs.replicas[1])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(repair)
+            await until(lambda: (rs.replicas[1].resync or {}).get("phase") == "repair")
+            waited = await timed_barrier(rs, [data(rig.hdr, 300)])
+        # It waited for the lock until the batch timed out, and then not for the replica
+        # that had failed: less than one timeout in all.
+        assert waited <= TIMEOUT
+        assert states(rs) == ["in-sync", "stale"]
+        # What it found to differ and did not get is compared again when it is back.
+        assert rig.syncmap.full(1)
         await rs.aclose()
 
     run(main)
