@@ -1,5 +1,5 @@
-"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, target, bench,
-soak, demo.
+"""The `rpmemfs` command: mkfs, mount, status, flush, check, verify, sync, recover, target,
+bench, soak, demo.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
@@ -116,6 +116,19 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{st['log']['checkpoints']} checkpoints")
     for r in st.get("replicas", []):
         print(f"replica    {r}")
+    return 0
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    if not os.path.ismount(args.mountpoint):
+        raise CliError(f"{args.mountpoint} is not a mount point")
+    reply = _ask_mount(args.mountpoint, "flush", "flush")
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    where = (f"the local pool and {reply['in_sync']} of {reply['replicas']} replicas"
+             if reply["replicas"] else "the local pool (no replicas)")
+    print(f"flushed {reply['flushed']}: {where}, {reply['seconds'] * 1000:.1f} ms")
     return 0
 
 
@@ -358,9 +371,16 @@ def build_parser() -> ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
-                   help="pmem=auto|force|msync, log=FILE, debug, allow_other")
+                   help="pmem=auto|force|msync, min_replicas=K, replica_timeout=S, commit=S "
+                        "(periodic durability point, default 5, 0 = off), token_file=F, log=FILE, "
+                        "debug, allow_other (README lists them all)")
 
     s = command("status", cmd_status, "show a mount's state")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+
+    s = command("flush", cmd_flush, "make everything written so far durable now, locally and on "
+                "the replicas (what `sync -f` cannot ask of a FUSE filesystem)")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
 

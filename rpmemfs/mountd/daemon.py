@@ -17,7 +17,8 @@ import pyfuse3
 import trio
 
 from rpmemfs import logs
-from rpmemfs.durability import Durability, StaleTable
+from rpmemfs.durability import DEFAULT_COMMIT, Committer, Durability, DurabilityError, StaleTable
+from rpmemfs.durability.commit import MAX_COMMIT
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
@@ -49,6 +50,7 @@ class MountOptions:
     xattrs: bool = True
     min_replicas: int | None = None  # None: all recorded replicas
     replica_timeout: float = 10.0
+    commit: float = DEFAULT_COMMIT  # seconds between periodic commits; 0: none
     token_file: str | None = None
     writeback_cache: bool = False
     poll_us: int = DEFAULT_POLL_US
@@ -92,6 +94,13 @@ def parse_options(opts: list[str]) -> MountOptions:
                     raise MountError(f"replica_timeout= needs seconds, not {value!r}") from None
                 if not 0 < mo.replica_timeout <= 3600:
                     raise MountError("replica_timeout= must be between 0 and 3600 seconds")
+            elif key == "commit":
+                try:
+                    mo.commit = float(value)
+                except ValueError:
+                    raise MountError(f"commit= needs seconds, not {value!r}") from None
+                if not 0 <= mo.commit <= MAX_COMMIT:
+                    raise MountError(f"commit= must be between 0 (off) and {MAX_COMMIT:g} seconds")
             elif key == "poll_us":
                 # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
                 if not value.isdigit() or int(value) > MAX_POLL_US:
@@ -173,6 +182,7 @@ class Mounted:
         # Local until the replicas are connected (serve() makes the one that serves them).
         self.durability = Durability(self.fs, self.mapping)
         self._ops: Operations | None = None
+        self.committer: Committer | None = None  # serve() starts it (-o commit=)
         self._mounted = False
         self.open_seconds = time.perf_counter() - t0
 
@@ -208,6 +218,7 @@ class Mounted:
             "open_seconds": round(self.open_seconds, 4),
             "pid": os.getpid(),
             "min_replicas": self.min_replicas,
+            "commit": self.committer.status() if self.committer is not None else {"seconds": 0},
             "replicas": self._replica_status(),
         }
 
@@ -274,7 +285,21 @@ class Mounted:
         async def status(args: list[str], send: control.Send) -> dict[str, Any]:
             return self.describe()
 
-        return {"status": status, "verify": self._verify, "sync": self._sync}
+        return {"status": status, "verify": self._verify, "sync": self._sync, "flush": self._flush}
+
+    async def _flush(self, args: list[str], send: control.Send) -> dict[str, Any]:
+        """`rpmemfs flush MOUNTPOINT`: a durability point now, local and on the replicas (what
+        `sync -f` cannot ask of a FUSE daemon; see durability/commit.py)."""
+        t0 = time.monotonic()
+        try:
+            # Shielded: an asker that goes away must not cut a point short in flight.
+            with trio.CancelScope(shield=True):
+                await self.durability.point()
+        except DurabilityError as e:
+            return {"error": f"flush of {self.mountpoint} failed: {e}"}
+        rs = self.replicas
+        return {"flushed": self.mountpoint, "seconds": round(time.monotonic() - t0, 6),
+                "replicas": len(self.specs), "in_sync": len(rs.in_sync) if rs is not None else 0}
 
     async def _with_progress(self, total: int, send: control.Send,
                              work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]
@@ -357,6 +382,9 @@ class Mounted:
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:
                 nursery.start_soon(self.replicas.keep, self.durability.note_replicas)
+            if self.mo.commit:
+                self.committer = Committer(self.durability, self.mo.commit)
+                nursery.start_soon(self.committer.run)
             await nursery.start(control.serve, self.control_path, self.control_handlers())
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
