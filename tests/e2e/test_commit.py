@@ -14,8 +14,18 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from conftest import MountPool
-from helpers import Mount, assert_clean_error, cli, describe, replica_file, status_json, write_fsync
+from helpers import (
+    Mount,
+    assert_clean_error,
+    cli,
+    describe,
+    is_mounted,
+    replica_file,
+    status_json,
+    write_fsync,
+)
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -145,3 +155,25 @@ def test_a_failing_commit_is_logged_once_and_flush_says_why(
         m.unmount()
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "100000", ""])
+def test_a_bad_commit_interval_is_refused(work_dir: Path, value: str) -> None:
+    pool = work_dir / "p.pool"
+    res = cli("mkfs", pool, "--size", "8M")
+    assert res.returncode == 0, res.stderr
+    mnt = work_dir / "mnt"
+    mnt.mkdir()
+    res = cli("mount", pool, mnt, "-f", "-o", f"pmem=force,commit={value}", timeout=60)
+    assert_clean_error(res, r"commit=")
+    assert not is_mounted(mnt)
+
+
+def test_flush_of_a_mount_without_replicas_and_of_no_mount(work_dir: Path, mount_pool: MountPool) -> None:
+    pool = work_dir / "p.pool"
+    assert cli("mkfs", pool, "--size", "16M").returncode == 0
+    m = mount_pool(pool)
+    _write(m.path / "f", b"x" * 100)
+    res = cli("flush", m.path)
+    assert res.returncode == 0 and "the local pool (no replicas)" in res.stdout, describe(res)
+    assert_clean_error(cli("flush", work_dir), r"not a mount point", one_line=True)
