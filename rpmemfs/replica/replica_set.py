@@ -36,7 +36,7 @@ from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.verify import ReplicaReport
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport
 from rpmemfs.transport.choose import transport_for
-from rpmemfs.transport.tcp import accepts_connections
+from rpmemfs.transport.probe import accepts_connections
 
 # What callers imported from here before the set was split by job.
 __all__ = [

@@ -37,7 +37,7 @@ from rpmemfs.transport.base import (
     nbytes,
 )
 from rpmemfs.transport.conn import Connection, open_connection
-from rpmemfs.transport.sockio import Buffer, connect_socket
+from rpmemfs.transport.sockio import Buffer
 from rpmemfs.transport.wire import (
     ATOMIC_SIZE,
     F_FLUSH,
@@ -441,29 +441,6 @@ async def connect(
         await session.aclose()
         raise
     return session
-
-
-async def accepts_connections(address: str, timeout: float) -> bool:
-    """Whether the target at ``address`` (HOST:PORT) accepts TCP connections now: a connect,
-    closed at once without a byte sent.
-
-    Every transport reaches a target through this port first (verbs opens its control
-    connection here too), so this tells whether a full connection attempt could get past
-    "refused" or "unreachable", at the cost of one SYN. The target sees a connection that
-    closes before its handshake: it holds it for no longer than that, and logs it at debug
-    level only (rpmemfs/target/server.py)."""
-    try:
-        host, port = parse_address(address)
-    except ValueError:
-        return False
-    with trio.move_on_after(timeout):
-        try:
-            sock = await connect_socket(host, port)
-        except OSError:
-            return False
-        sock.close()
-        return True
-    return False  # no answer at all: a cut link, or a host that is down
 
 
 class TcpTransport:
