@@ -1,5 +1,5 @@
-"""The `rpmemfs` command: mkfs, mount, status, check, verify, sync, recover, promote, pools,
-evict, target, bench, soak, demo.
+"""The `rpmemfs` command: mkfs, mount, status, flush, check, verify, sync, recover, promote,
+pools, evict, target, bench, soak, demo.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
@@ -123,6 +123,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flush(args: argparse.Namespace) -> int:
+    if not os.path.ismount(args.mountpoint):
+        raise CliError(f"{args.mountpoint} is not a mount point")
+    reply = _ask_mount(args.mountpoint, "flush", "flush")
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    where = (f"the local pool and {reply['in_sync']} of {reply['replicas']} replicas"
+             if reply["replicas"] else "the local pool (no replicas)")
+    print(f"flushed {reply['flushed']}: {where}, {reply['seconds'] * 1000:.1f} ms")
+    return 0
+
+
 def _mounted_from(pool: str) -> str | None:
     """The mountpoint where ``pool`` is mounted now, if it is."""
     from rpmemfs.mountinfo import mounted_from
@@ -162,7 +175,9 @@ def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
     return pool, specs
 
 
-def _chunk(text: str) -> int:
+def _chunk(text: str | None) -> int | None:
+    if text is None:
+        return None  # the pool's own chunk, which sync counts in too
     try:
         chunk = parse_size(text)
     except ValueError as e:
@@ -202,7 +217,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     chunk = _chunk(args.chunk)
     if os.path.isdir(args.pool) and os.path.ismount(args.pool):
-        report = report_from_dict(_ask_mount(args.pool, f"verify {chunk}", "verify"))
+        request = "verify" if chunk is None else f"verify {chunk}"
+        report = report_from_dict(_ask_mount(args.pool, request, "verify"))
     else:
         opened = _replicated_pool(args.pool, args.token_file, "verify", writable=False)
         with opened as (pool, pm, specs, token):
@@ -416,9 +432,16 @@ def build_parser() -> ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
-                   help="pmem=auto|force|msync, log=FILE, debug, allow_other")
+                   help="pmem=auto|force|msync, min_replicas=K, replica_timeout=S, commit=S "
+                        "(periodic durability point, default 5, 0 = off), token_file=F, log=FILE, "
+                        "debug, allow_other (README lists them all)")
 
     s = command("status", cmd_status, "show a mount's state")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+
+    s = command("flush", cmd_flush, "make everything written so far durable now, locally and on "
+                "the replicas (what `sync -f` cannot ask of a FUSE filesystem)")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
 
@@ -428,7 +451,8 @@ def build_parser() -> ArgumentParser:
 
     s = command("verify", cmd_verify, "compare a pool with its replicas by chunk checksums")
     s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
-    s.add_argument("--chunk", default="1M", help="checksum chunk size (default 1M)")
+    s.add_argument("--chunk", help="checksum chunk size (default: the pool's sync map chunk, "
+                   "64K for pools up to 4G, the unit sync counts in too)")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
     s.add_argument("--json", action="store_true")
 

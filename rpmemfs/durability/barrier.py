@@ -43,7 +43,12 @@ Ranges = list[tuple[int, int]]
 
 class DurabilityError(RpmemfsError):
     """A durability point did not complete everywhere the policy requires; the local pool
-    has the changes, the replicas get them with the next point."""
+    has the changes, the replicas get them with the next point. ``unexpected`` is the
+    exception behind it when that was not a replica shortfall (a bug, for its traceback)."""
+
+    def __init__(self, message: str, unexpected: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.unexpected = unexpected
 
 
 class Changes(Protocol):
@@ -58,6 +63,7 @@ class Changes(Protocol):
 
 
 class ChangeSource(Protocol):
+    def has_changes(self) -> bool: ...
     def take_changes(self) -> Changes: ...
     def mark_durable(self, seq: int, tail: int) -> None: ...
 
@@ -102,14 +108,23 @@ class Durability:
         self._last = _Outcome.settled()
         self.stats = Stats()
 
-    async def point(self) -> None:
-        """A durability point: DurabilityError when the policy's replicas did not all get it."""
+    async def point(self, *, background: bool = False) -> None:
+        """A durability point: DurabilityError when the policy's replicas did not all get it.
+
+        ``background``: a periodic commit's (commit.py), neither counted as an fsync nor logged
+        when it fails (its caller logs a failing episode once)."""
         t0 = time.perf_counter_ns()
         if self._replicas is None:
             self.sync_local()
         else:
-            await self._replicated_point(self._replicas)
-        self.stats.add(time.perf_counter_ns() - t0)
+            await self._replicated_point(self._replicas, report=not background)
+        if not background:
+            self.stats.add(time.perf_counter_ns() - t0)
+
+    def pending(self) -> bool:
+        """Whether a point would have anything to do: changes not handed to a point yet, or
+        ranges the replicas still have to get (a failed point's, or persisted outside one)."""
+        return bool(self._carry) or self._source.has_changes()
 
     def sync_local(self) -> None:
         """A point that waits for no replica (there are none, or the mount is closing and
@@ -145,7 +160,7 @@ class Durability:
         self._carry = []
         return ranges
 
-    async def _replicated_point(self, rs: ReplicaSet) -> None:
+    async def _replicated_point(self, rs: ReplicaSet, report: bool = True) -> None:
         outcome = _Outcome()
         error: Exception | None = None
         flight: InFlight | None = None
@@ -182,8 +197,9 @@ class Durability:
                 self._carry[:0] = ranges
                 outcome.failed = error
                 unexpected = not isinstance(error, ReplicaError)
-                log.error("replication barrier failed: %s", error, exc_info=unexpected)
-                raise DurabilityError(str(error)) from None
+                if report:
+                    log.error("replication barrier failed: %s", error, exc_info=unexpected)
+                raise DurabilityError(str(error), error if unexpected else None) from None
             self._source.mark_durable(changes.seq, changes.tail)
         finally:
             outcome.done.set()

@@ -228,6 +228,11 @@ class Filesystem:
 
     # ---------------------------------------------------------------- durability
 
+    def has_changes(self) -> bool:
+        """Whether take_changes() would hand over anything (a periodic commit asks first)."""
+        return bool(self.dirty_inodes or self.dirty_data or self.nt_data or self.persisted
+                    or self.log.stage)
+
     def take_changes(self) -> Changes:
         """Hand every change so far to a durability point (rpmemfs.durability), which makes
         them durable and then calls mark_durable()."""

@@ -1,7 +1,7 @@
 """The mount daemon's control socket: `rpmemfs status` asks it, whatever the mount options.
 
 One Unix socket per mount, named after the mountpoint, in a directory only root (or the
-user) can write. The protocol is a line in ("status", "verify CHUNK", "sync"), JSON lines
+user) can write. The protocol is a line in ("status", "verify [CHUNK]", "sync", "flush"), JSON lines
 back: any number of progress lines ({"progress": bytes done, "total": bytes}) for long
 requests, then the answer.
 """

@@ -17,7 +17,7 @@ import pyfuse3
 import trio
 
 from rpmemfs import logs
-from rpmemfs.durability import Durability, StaleTable
+from rpmemfs.durability import Committer, Durability, DurabilityError, StaleTable
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
@@ -31,7 +31,7 @@ from rpmemfs.replica import ReplicaSet, ReplicaState
 from rpmemfs.replica.fencing import holder, new_epoch, probe_replicas
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
-from rpmemfs.replica.verify import DEFAULT_CHUNK, VerifyReport, content_size
+from rpmemfs.replica.verify import VerifyReport, content_size, pool_chunk
 from rpmemfs.transport.auth import TokenError, read_token_file
 from rpmemfs.transport.base import TransportError
 
@@ -102,6 +102,7 @@ class Mounted:
         # Local until the replicas are connected (serve() makes the one that serves them).
         self.durability = Durability(self.fs, self.mapping)
         self._ops: Operations | None = None
+        self.committer: Committer | None = None  # serve() starts it (-o commit=)
         self._mounted = False
         self.open_seconds = time.perf_counter() - t0
 
@@ -139,6 +140,7 @@ class Mounted:
             "min_replicas": self.min_replicas,
             "epoch": show_epoch(fs.hdr.epoch),
             "fenced": self.fenced,
+            "commit": self.committer.status() if self.committer is not None else {"seconds": 0},
             "replicas": self._replica_status(),
         }
 
@@ -260,7 +262,21 @@ class Mounted:
         async def status(args: list[str], send: control.Send) -> dict[str, Any]:
             return self.describe()
 
-        return {"status": status, "verify": self._verify, "sync": self._sync}
+        return {"status": status, "verify": self._verify, "sync": self._sync, "flush": self._flush}
+
+    async def _flush(self, args: list[str], send: control.Send) -> dict[str, Any]:
+        """`rpmemfs flush MOUNTPOINT`: a durability point now, local and on the replicas (what
+        `sync -f` cannot ask of a FUSE daemon; see durability/commit.py)."""
+        t0 = time.monotonic()
+        try:
+            # Shielded: an asker that goes away must not cut a point short in flight.
+            with trio.CancelScope(shield=True):
+                await self.durability.point()
+        except DurabilityError as e:
+            return {"error": f"flush of {self.mountpoint} failed: {e}"}
+        rs = self.replicas
+        return {"flushed": self.mountpoint, "seconds": round(time.monotonic() - t0, 6),
+                "replicas": len(self.specs), "in_sync": len(rs.in_sync) if rs is not None else 0}
 
     async def _with_progress(self, total: int, send: control.Send,
                              work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]
@@ -288,7 +304,7 @@ class Mounted:
         if rs is None:
             return {"error": f"{self.pool} has no replicas to verify"}
         try:
-            chunk = int(args[0]) if args else DEFAULT_CHUNK
+            chunk = int(args[0]) if args else pool_chunk(self.mapping.buf)
         except ValueError:
             return {"error": f"bad chunk size {args[0]!r}"}
         if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
@@ -326,7 +342,8 @@ class Mounted:
                     entry["error"] = (f"not in sync ({r.state}: {r.last_error}); it is compared in "
                                       "full when it is back")
                 results.append(entry)
-            return {"pool": self.pool, "seconds": round(time.monotonic() - t0, 3), "replicas": results,
+            return {"pool": self.pool, "size": len(self.mapping.buf), "chunk": pool_chunk(self.mapping.buf),
+                    "seconds": round(time.monotonic() - t0, 3), "replicas": results,
                     "clean": all("error" not in e for e in results)}
 
         return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
@@ -342,6 +359,9 @@ class Mounted:
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:
                 nursery.start_soon(self.replicas.keep, self.durability.note_replicas)
+            if self.mo.commit:
+                self.committer = Committer(self.durability, self.mo.commit)
+                nursery.start_soon(self.committer.run)
             await nursery.start(control.serve, self.control_path, self.control_handlers())
             await pyfuse3.main()
             nursery.cancel_scope.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from rpmemfs.durability.commit import DEFAULT_COMMIT, MAX_COMMIT
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.pmem import PMEM_MODES
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
@@ -22,6 +23,7 @@ class MountOptions:
     xattrs: bool = True
     min_replicas: int | None = None  # None: all recorded replicas
     replica_timeout: float = 10.0
+    commit: float = DEFAULT_COMMIT  # seconds between periodic commits; 0: none
     token_file: str | None = None
     writeback_cache: bool = False
     poll_us: int = DEFAULT_POLL_US
@@ -68,6 +70,13 @@ def parse_options(opts: list[str]) -> MountOptions:
                     raise MountError(f"replica_timeout= needs seconds, not {value!r}") from None
                 if not 0 < mo.replica_timeout <= 3600:
                     raise MountError("replica_timeout= must be between 0 and 3600 seconds")
+            elif key == "commit":
+                try:
+                    mo.commit = float(value)
+                except ValueError:
+                    raise MountError(f"commit= needs seconds, not {value!r}") from None
+                if not 0 <= mo.commit <= MAX_COMMIT:
+                    raise MountError(f"commit= must be between 0 (off) and {MAX_COMMIT:g} seconds")
             elif key == "poll_us":
                 # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
                 if not value.isdigit() or int(value) > MAX_POLL_US:

@@ -16,7 +16,7 @@ import trio
 from rpmemfs.replica.barriers import Barriers
 from rpmemfs.replica.replica import IN_SYNC, Replica
 from rpmemfs.replica.resync import compare_and_repair
-from rpmemfs.replica.verify import ReplicaReport, content_size, differing_chunks
+from rpmemfs.replica.verify import ReplicaReport, content_size, count_chunks, differing_chunks
 from rpmemfs.transport.base import TransportError
 
 VERIFY_ROUNDS = 3  # durability points a live verify waits for before a difference is real
@@ -37,7 +37,7 @@ async def verify_live(rs: Barriers, chunk: int, durable: Callable[[], Awaitable[
             report.error = f"not in sync ({replica.state}): {replica.last_error}"
             continue
         try:
-            report.chunks, runs = await differing_chunks(
+            report.compared_chunks, runs = await differing_chunks(
                 replica.session, replica.region, rs.local_buf, [(0, limit)], chunk,
                 progress, rs.timeout)
             for _ in range(VERIFY_ROUNDS):
@@ -47,6 +47,7 @@ async def verify_live(rs: Barriers, chunk: int, durable: Callable[[], Awaitable[
                 _, runs = await differing_chunks(replica.session, replica.region, rs.local_buf,
                                                  runs, chunk, lambda n: None, rs.timeout)
             report.differing = runs
+            report.differing_chunks = count_chunks(runs, chunk)
         except TransportError as exc:
             report.error = str(exc)
         except trio.TooSlowError:
@@ -66,6 +67,9 @@ async def repair_live(rs: Barriers, replica: Replica, compared: Callable[[int], 
                                                         compared=compared, copied=copied)
     except (TransportError, trio.TooSlowError) as exc:
         replica.fail(f"repair failed: {exc}")
+        if rs.syncmap is not None:
+            # What it found to differ and did not send is known nowhere else.
+            rs.syncmap.set_full(replica.slot)
         raise
     finally:
         replica.resync = None

@@ -37,7 +37,7 @@ from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
 from rpmemfs.replica.repair import READ_STEP, RepairError, create_file, mark_others_full
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table
-from rpmemfs.replica.verify import DEFAULT_CHUNK, differing_chunks
+from rpmemfs.replica.verify import chunk_of, count_chunks, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
 
@@ -156,6 +156,7 @@ async def _copy(pool: str, hdr: Header, session: Session, region: RemoteRegion, 
     """Bring ``pool`` to the source's content: (bytes copied, chunks compared, chunks that
     differed before the copy; 0 for a fresh copy)."""
     limit = hdr.map_off
+    chunk = chunk_of(hdr)  # the unit verify and sync count in too
     lane = session.lanes[0]
     incremental = os.path.exists(pool) and _same_pool(pool, hdr)
     if not incremental:
@@ -163,11 +164,11 @@ async def _copy(pool: str, hdr: Header, session: Session, region: RemoteRegion, 
     with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
         buf = mapping.buf
         if incremental:
-            _, runs = await differing_chunks(session, region, buf, [(0, limit)], DEFAULT_CHUNK,
+            _, runs = await differing_chunks(session, region, buf, [(0, limit)], chunk,
                                              lambda n: None, timeout)
         else:
             runs = [(0, limit)]
-        before = sum(-(-n // DEFAULT_CHUNK) for _, n in runs) if incremental else 0
+        before = count_chunks(runs, chunk) if incremental else 0
         total = sum(n for _, n in runs)
         done = 0
         for first, n in runs:
@@ -179,7 +180,7 @@ async def _copy(pool: str, hdr: Header, session: Session, region: RemoteRegion, 
                 if progress:
                     progress(done, total)
         mapping.persist(runs)
-        compared, differing = await differing_chunks(session, region, buf, [(0, limit)], DEFAULT_CHUNK,
+        compared, differing = await differing_chunks(session, region, buf, [(0, limit)], chunk,
                                                      lambda n: None, timeout)
         if differing:
             raise RepairError(f"the copy differs from the source in {len(differing)} ranges after "

@@ -29,7 +29,7 @@ from rpmemfs.replica.replica import IN_SYNC
 from rpmemfs.replica.replica_set import ReplicaSet
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table, write_table
-from rpmemfs.replica.verify import DEFAULT_CHUNK, differing_chunks
+from rpmemfs.replica.verify import chunk_of, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
 from rpmemfs.transport.choose import transport_for
 
@@ -43,27 +43,35 @@ class RepairError(ReplicationError):
 
 @dataclass
 class SyncReport:
+    """What `rpmemfs sync` did, in the same fields and units as verify's report (chunks of
+    ``chunk`` bytes, verify.pool_chunk); per replica: compared_chunks, differing_chunks,
+    chunks_sent, bytes_sent, or an error."""
+
     pool: str
+    size: int
+    chunk: int
     seconds: float = 0.0
     replicas: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return all(r.get("state") == IN_SYNC for r in self.replicas)
+        return all(r.get("state") == IN_SYNC and "error" not in r for r in self.replicas)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pool": self.pool, "clean": self.clean, "seconds": round(self.seconds, 3),
-                "replicas": self.replicas}
+        return {"pool": self.pool, "size": self.size, "chunk": self.chunk, "clean": self.clean,
+                "seconds": round(self.seconds, 3), "replicas": self.replicas}
 
 
 def format_sync(report: dict[str, Any]) -> str:
-    lines = [f"sync of {report['pool']}: {report['seconds']:.2f} s"]
+    lines = [f"sync of {report['pool']}: {report['size']} bytes, chunks of {report['chunk']} bytes, "
+             f"{len(report['replicas'])} replicas, {report['seconds']:.2f} s"]
     for r in report["replicas"]:
         if "error" in r:
             lines.append(f"  {r['replica']}: NOT SYNCED: {r['error']}")
         else:
-            lines.append(f"  {r['replica']}: {r.get('compared_chunks', 0)} chunks checked, "
-                         f"{r.get('differing_chunks', 0)} repaired, {r.get('bytes_sent', 0)} bytes sent")
+            lines.append(f"  {r['replica']}: {r.get('compared_chunks', 0)} chunks compared, "
+                         f"{r.get('differing_chunks', 0)} differing, {r.get('chunks_sent', 0)} "
+                         f"chunks sent ({r.get('bytes_sent', 0)} bytes)")
     lines.append("clean" if report.get("clean") else "NOT CLEAN")
     return "\n".join(lines)
 
@@ -93,7 +101,7 @@ async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], t
             syncmap.finish()
     finally:
         await rs.aclose()
-    report = SyncReport(pool, time.monotonic() - t0)
+    report = SyncReport(pool, len(buf), chunk_of(hdr), time.monotonic() - t0)
     for r in rs.replicas:
         entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state.value, **(r.last_resync or {})}
         if r.state is not IN_SYNC:
@@ -157,7 +165,7 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
                     mark_others_full(mapping, hdr, source)
                     mapping.persist([(0, hdr.pool_size)])
                     compared, differing = await differing_chunks(
-                        session, region, buf, [(0, limit)], DEFAULT_CHUNK, lambda n: None, timeout)
+                        session, region, buf, [(0, limit)], chunk_of(hdr), lambda n: None, timeout)
                     if differing:
                         raise RepairError(f"the copy differs from replica {source} in {len(differing)} "
                                           "ranges after recovery (was it being written meanwhile?)")

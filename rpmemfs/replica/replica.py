@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -77,7 +78,10 @@ class Replica:
         self.writes = 0
         self.flushes = 0
         self.bytes = 0
+        # What keeps it out of sync, and when that was seen (ISO 8601, UTC); both cleared
+        # once it is in sync again (its keeper logs what it cleared).
         self.last_error: str | None = None
+        self.last_error_at: str | None = None
         self.resyncs = 0
         self.resync: dict[str, Any] | None = None  # progress of the resync under way
         self.last_resync: dict[str, Any] | None = None  # summary of the last one
@@ -110,11 +114,13 @@ class Replica:
 
     def note(self, reason: str) -> None:
         self.last_error = reason if reason.startswith("replica ") else f"replica {self.spec}: {reason}"
+        self.last_error_at = datetime.now(UTC).isoformat(timespec="milliseconds")
 
     def joined(self) -> None:
         """In sync again (its resync is done): every barrier from now on reaches it."""
         self.move(IN_SYNC)
         self.fell_behind = trio.Event()
+        self.last_error = self.last_error_at = None
 
     @property
     def barrier_lane(self) -> Lane:
@@ -201,6 +207,7 @@ class Replica:
             "flushes": self.flushes,
             "bytes": self.bytes,
             "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
         }
 
     async def aclose(self, timeout: float) -> None:

@@ -31,15 +31,15 @@ from rpmemfs.replica.connect import Connect, ReplicaUnusable, bring_up, open_ses
 from rpmemfs.replica.live_verify import VERIFY_ROUNDS, repair_live, verify_live
 from rpmemfs.replica.remote import create_remote
 from rpmemfs.replica.replica import IN_SYNC, Replica
-from rpmemfs.replica.resync import COMPARE_CHUNK, COPY_BATCH, LAST_PASS_CHUNKS, MAX_PASSES
+from rpmemfs.replica.resync import COPY_BATCH, LAST_PASS_CHUNKS, MAX_PASSES
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.verify import ReplicaReport
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.probe import accepts_connections
 
 # What callers imported from here before the set was split by job.
 __all__ = [
-    "COMPARE_CHUNK",
     "COPY_BATCH",
     "DEFAULT_RECONNECT",
     "DEFAULT_SPIN_US",
@@ -47,6 +47,7 @@ __all__ = [
     "MAX_PASSES",
     "MAX_RECONNECT",
     "MAX_SPIN_US",
+    "PROBE_INTERVAL",
     "SPIN_BYTES_PER_US",
     "VERIFY_ROUNDS",
     "InFlight",
@@ -59,7 +60,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_RECONNECT = 1.0  # seconds before a replica that fell behind is tried again...
-MAX_RECONNECT = 30.0  # ...doubling up to this
+MAX_RECONNECT = 5.0  # ...doubling up to this: with the default policy fsync fails meanwhile
+# Between attempts the target's port is probed (a TCP connect, closed at once), so that a
+# target that comes back is tried within a probe interval, not at the end of the backoff.
+PROBE_INTERVAL = 0.25
+PROBE_TIMEOUT = 1.0  # a cut link drops the SYN: no answer at all
+
+# Whether the target at an address accepts connections now.
+Probe = Callable[[str], Awaitable[bool]]
+
+
+async def _probe_tcp(address: str) -> bool:
+    return await accepts_connections(address, PROBE_TIMEOUT)
 
 
 class ReplicaSet(Barriers):
@@ -71,6 +83,9 @@ class ReplicaSet(Barriers):
         super().__init__(replicas, local_buf, min_replicas=min_replicas, timeout=timeout,
                          syncmap=syncmap, lock=lock)
         self.reconnect_interval = DEFAULT_RECONNECT
+        self.max_reconnect = MAX_RECONNECT
+        # Every transport reaches its target's TCP port first: one probe serves them all.
+        self.probe: Probe = _probe_tcp
         self._connect: Connect | None = None
         # Bytes compared or copied by resyncs, for a progress bar.
         self.progress: Callable[[int], None] = lambda n: None
@@ -151,14 +166,32 @@ class ReplicaSet(Barriers):
                 await replica.aclose(self.timeout)
                 backoff = self.reconnect_interval
                 continue
-            await trio.sleep(backoff)
+            await self._until_retry(replica, backoff)
             log.info("replica %s: reconnecting", replica.spec)
+            cleared, since = replica.last_error, replica.last_error_at
             if await self._bring_up(replica):
-                log.warning("replica %s is in sync again", replica.spec)
+                log.warning("replica %s is in sync again (its last error, at %s: %s)",
+                            replica.spec, since, cleared)
                 on_change()
             else:
                 log.info("replica %s still unusable: %s", replica.spec, replica.last_error)
-                backoff = min(backoff * 2, MAX_RECONNECT)
+                backoff = min(backoff * 2, self.max_reconnect)
+
+    async def _until_retry(self, replica: Replica, delay: float) -> None:
+        """Wait ``delay`` seconds, or less: until the replica's target, found not accepting
+        connections, accepts them again (restarted, or its link is back)."""
+        with trio.move_on_after(delay):
+            down = False
+            while True:
+                if await self.probe(replica.spec.address):
+                    if down:
+                        log.info("replica %s: its target accepts connections again", replica.spec)
+                        return
+                    # It accepts, so the last attempt failed further on (refused, not this
+                    # pool's replica, hung): only a full attempt tells when that changes.
+                    await trio.sleep_forever()
+                down = True
+                await trio.sleep(PROBE_INTERVAL)
 
     async def verify(self, chunk: int, durable: Callable[[], Awaitable[None]],
                      progress: Callable[[int], None] = lambda n: None) -> list[ReplicaReport]:

@@ -15,13 +15,13 @@ from collections.abc import Callable
 import trio
 
 from rpmemfs.replica.barriers import Barriers
-from rpmemfs.replica.replica import RESYNCING, Replica
-from rpmemfs.replica.verify import content_size, differing_chunks
+from rpmemfs.replica.replica import IN_SYNC, RESYNCING, Replica
+from rpmemfs.replica.verify import content_size, count_chunks, differing_chunks, pool_chunk
+from rpmemfs.transport.base import TransportError
 
 log = logging.getLogger(__name__)
 
 COPY_BATCH = 8 << 20  # bytes per barrier while resyncing
-COMPARE_CHUNK = 1 << 20  # checksum chunk when the pool has no sync map
 MAX_PASSES = 8  # resync passes outside the barrier lock before the last one under it...
 LAST_PASS_CHUNKS = 64  # ...or fewer chunks left than this
 
@@ -54,7 +54,14 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
             totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
     async with rs.lock:
         if syncmap is not None:
-            totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
+            try:
+                # Every fsync waits while this lock is held: never longer than a barrier
+                # may take. What is not sent in time stays marked for the next attempt.
+                with trio.fail_after(rs.timeout):
+                    totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
+            except trio.TooSlowError:
+                raise TransportError(str(replica.spec), f"the last resync pass did not end within "
+                                     f"{rs.timeout:g}s (fsyncs wait for it)", lane_lost=True) from None
         if replica.state is not RESYNCING:
             # A barrier posted on its previous session failed meanwhile, and may have marked
             # what it missed after the last pass took the map: its keeper tries again.
@@ -77,7 +84,7 @@ async def _send_missing(rs: Barriers, replica: Replica, totals: dict[str, int],
     totals["passes"] += 1
     if not runs:
         return 0
-    totals["chunks_sent"] += sum(-(-n // rs.syncmap.chunk) for _, n in runs)
+    totals["chunks_sent"] += count_chunks(runs, rs.syncmap.chunk)
     try:
         return await copy(rs, replica, runs, "resync", progress)
     except BaseException:
@@ -93,7 +100,8 @@ async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, i
     ``compared`` and ``copied`` count the bytes compared and copied."""
     assert replica.session is not None and replica.region is not None
     limit = content_size(rs.local_buf)
-    chunk = rs.syncmap.chunk if rs.syncmap and rs.syncmap.enabled else COMPARE_CHUNK
+    # The sync map's chunk, which is also what verify counts in (verify.pool_chunk).
+    chunk = rs.syncmap.chunk if rs.syncmap and rs.syncmap.enabled else pool_chunk(rs.local_buf)
     replica.resync = {"phase": "compare", "done": 0, "total": limit}
 
     def compared_some(n: int) -> None:
@@ -103,24 +111,23 @@ async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, i
 
     n_compared, runs = await differing_chunks(replica.session, replica.region, rs.local_buf,
                                               [(0, limit)], chunk, compared_some, rs.timeout)
-    differing = sum(-(-n // chunk) for _, n in runs)
+    differing = count_chunks(runs, chunk)
     totals["compared_chunks"] += n_compared
     totals["differing_chunks"] += differing
     totals["chunks_sent"] += differing
     log.info("replica %s: %d of %d chunks differ", replica.spec, differing, n_compared)
-    if not locked:
-        return await copy(rs, replica, runs, "repair", copied)
-    async with rs.lock:
-        # Current content: anything written since the comparison is newer still, and
-        # barriers cannot overtake this copy while the lock is held and none is in
-        # flight.
-        await rs.drain()
-        return await copy(rs, replica, runs, "repair", copied)
+    return await copy(rs, replica, runs, "repair", copied, locked=locked)
 
 
 async def copy(rs: Barriers, replica: Replica, runs: list[tuple[int, int]], phase: str,
-               progress: Callable[[int], None]) -> int:
-    """Write ``runs`` of the local pool to the replica in barriers of COPY_BATCH bytes."""
+               progress: Callable[[int], None], *, locked: bool = False) -> int:
+    """Write ``runs`` of the local pool to the replica in barriers of COPY_BATCH bytes.
+
+    ``locked``, for a replica that takes barriers meanwhile: each batch under the barrier
+    lock, with no barrier in flight, so that it places current content and no barrier
+    overtakes it (anything written since the comparison is newer still). The lock is taken
+    per batch and held for at most ``rs.timeout``: fsyncs wait for one batch, never for the
+    whole repair, nor past the replica timeout when a link is cut."""
     assert replica.region is not None and replica.lanes
     total = sum(n for _, n in runs)
     replica.resync = {"phase": phase, "done": 0, "total": total}
@@ -129,15 +136,27 @@ async def copy(rs: Barriers, replica: Replica, runs: list[tuple[int, int]], phas
     size = 0
     last_log = time.monotonic()
 
-    async def flush() -> None:
-        nonlocal size, last_log
+    async def send() -> None:
         writes = [(off, rs.local_buf[off : off + n]) for off, n in batch]
         try:
-            with trio.fail_after(rs.timeout):
-                await lane.barrier(replica.region, writes)  # type: ignore[arg-type]
+            await lane.barrier(replica.region, writes)  # type: ignore[arg-type]
         finally:
             for _, view in writes:
                 view.release()
+
+    async def flush() -> None:
+        nonlocal size, last_log
+        if locked:
+            async with rs.lock:
+                with trio.fail_after(rs.timeout):
+                    await rs.drain()
+                    if replica.state is not IN_SYNC:
+                        # A barrier failed on it meanwhile: its lanes are as good as gone.
+                        raise TransportError(str(replica.spec), f"fell out of sync during the {phase}")
+                    await send()
+        else:
+            with trio.fail_after(rs.timeout):
+                await send()
         assert replica.resync is not None
         replica.resync["done"] += size
         progress(size)

@@ -4,7 +4,12 @@ Each target computes CRC-32C of consecutive chunks of its own copy (a control re
 software form of the RDMA Verify operation the seeds describe) while the same is computed
 here over the local pool, and the lists are compared. The pool must not be mounted: a live
 mount writes into its pool before the fsync that would make a replica catch up, so the two
-legitimately differ until then.
+legitimately differ until then (live_verify.py compares a mounted pool).
+
+verify and sync count in one unit, the pool's chunk (:func:`pool_chunk`): the sync map's
+chunk, which is what a resync sends, so "3 chunks differ" from verify and "3 chunks sent"
+from sync speak of the same bytes. Both reports name their counts alike (compared_chunks,
+differing_chunks) and give the chunk size.
 """
 
 from __future__ import annotations
@@ -18,29 +23,52 @@ import trio
 
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import read_header
-from rpmemfs.pool.layout import PoolFormatError
+from rpmemfs.pool.layout import MAP_MIN_SHIFT, Header, PoolFormatError
 from rpmemfs.progress import ProgressBar
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
 
-DEFAULT_CHUNK = 1 << 20
-# Chunks asked for per request: the reply stays small and progress moves often.
-CHUNKS_PER_REQUEST = 256
+# The chunk of a pool without a sync map (mkfs has always made one; a hand-made pool may not).
+FALLBACK_CHUNK = 1 << MAP_MIN_SHIFT
+# Chunks asked for per request (the target answers at most MAX_CHUNKS, 4096): 64 MiB of a
+# pool of up to 4 GiB per round trip, a reply of ~11 KB, and progress that still moves.
+CHUNKS_PER_REQUEST = 1024
+
+
+def chunk_of(hdr: Header) -> int:
+    """The chunk verify and sync count in: the sync map's (64 KiB for pools up to 4 GiB,
+    larger above: a bitmap has at most 65536 bits)."""
+    return hdr.map_chunk or FALLBACK_CHUNK
+
+
+def pool_chunk(buf: memoryview) -> int:
+    """:func:`chunk_of` the pool in ``buf`` (FALLBACK_CHUNK when its header is unreadable)."""
+    try:
+        return chunk_of(read_header(buf)[0])
+    except PoolFormatError:
+        return FALLBACK_CHUNK
+
+
+def count_chunks(runs: list[tuple[int, int]], chunk: int) -> int:
+    """Chunks in merged runs of whole chunks (the pool's last chunk may be short)."""
+    return sum(-(-n // chunk) for _, n in runs)
 
 
 @dataclass
 class ReplicaReport:
     replica: str
     error: str | None = None
-    chunks: int = 0
+    compared_chunks: int = 0
+    differing_chunks: int = 0
     differing: list[tuple[int, int]] = field(default_factory=list)  # (offset, length)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "replica": self.replica,
             "error": self.error,
-            "chunks": self.chunks,
+            "compared_chunks": self.compared_chunks,
+            "differing_chunks": self.differing_chunks,
             "differing": [{"offset": o, "length": n} for o, n in self.differing],
         }
 
@@ -68,7 +96,8 @@ def report_from_dict(doc: dict[str, Any]) -> VerifyReport:
     """A report as a mount's daemon sent it over its control socket."""
     report = VerifyReport(doc["pool"], doc["size"], doc["chunk"], doc["seconds"])
     for r in doc["replicas"]:
-        report.replicas.append(ReplicaReport(r["replica"], r["error"], r["chunks"],
+        report.replicas.append(ReplicaReport(r["replica"], r["error"], r["compared_chunks"],
+                                             r["differing_chunks"],
                                              [(d["offset"], d["length"]) for d in r["differing"]]))
     return report
 
@@ -126,8 +155,9 @@ async def verify_replica(
             if region.size != size:
                 report.error = f"remote pool is {region.size} bytes, the local pool {size}"
                 return report
-            report.chunks, report.differing = await differing_chunks(
+            report.compared_chunks, report.differing = await differing_chunks(
                 session, region, buf, [(0, content_size(buf))], chunk, progress, timeout)
+            report.differing_chunks = count_chunks(report.differing, chunk)
     except TransportError as exc:
         report.error = str(exc)
     except trio.TooSlowError:
@@ -136,8 +166,10 @@ async def verify_replica(
 
 
 async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: bytes | None,
-                 chunk: int = DEFAULT_CHUNK) -> VerifyReport:
-    """Every replica compared with the local pool, in parallel."""
+                 chunk: int | None = None) -> VerifyReport:
+    """Every replica compared with the local pool, in parallel, by chunks of ``chunk`` bytes
+    (default: the pool's chunk, the one sync counts in)."""
+    chunk = chunk or pool_chunk(buf)
     report = VerifyReport(pool, len(buf), chunk)
     progress = ProgressBar("verify", content_size(buf) * len(specs))
     t0 = time.monotonic()
@@ -158,17 +190,17 @@ async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: by
 
 
 def format_report(report: VerifyReport) -> str:
-    lines = [f"pool {report.pool}: {report.size} bytes, chunks of {report.chunk} bytes, "
+    lines = [f"verify of {report.pool}: {report.size} bytes, chunks of {report.chunk} bytes, "
              f"{len(report.replicas)} replicas, {report.seconds:.2f} s"]
     for r in report.replicas:
         if r.error:
             lines.append(f"  {r.replica}: NOT VERIFIED: {r.error}")
         elif not r.differing:
-            lines.append(f"  {r.replica}: identical ({r.chunks} chunks)")
+            lines.append(f"  {r.replica}: identical, {r.compared_chunks} chunks compared")
         else:
             total = sum(n for _, n in r.differing)
-            lines.append(f"  {r.replica}: DIFFERS in {len(r.differing)} ranges, {total} bytes "
-                         f"(of {r.chunks} chunks):")
+            lines.append(f"  {r.replica}: DIFFERS: {r.compared_chunks} chunks compared, "
+                         f"{r.differing_chunks} differing ({len(r.differing)} ranges, {total} bytes):")
             lines += [f"    offset {o} length {n}" for o, n in r.differing[:50]]
             if len(r.differing) > 50:
                 lines.append(f"    ... {len(r.differing) - 50} more")

@@ -11,7 +11,7 @@ import trio
 from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport import auth
 from rpmemfs.transport.sockio import SockIO
-from rpmemfs.transport.stream import FrameReader, send_all
+from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all
 from rpmemfs.transport.wire import (
     F_CLOSE,
     HELLO_SIZE,
@@ -30,6 +30,11 @@ from rpmemfs.transport.wire import (
 log = logging.getLogger("rpmemfs.target.handshake")
 
 REFUSE_SEND_TIMEOUT = 1.0
+
+
+class ClosedBeforeHello(Exception):
+    """The peer closed without sending a byte: an initiator's reachability probe (its
+    reconnect loop asks so whether this target is back), not a failed handshake."""
 
 
 class HandshakeRefused(Exception):
@@ -62,7 +67,12 @@ async def accept(
     The peer has been told the reason when this raises HandshakeRefused.
     """
     try:
-        await reader.fill(HELLO_SIZE)
+        try:
+            await reader.fill(HELLO_SIZE)
+        except PeerClosed as exc:
+            if exc.mid_frame:
+                raise
+            raise ClosedBeforeHello from None
         hello = Hello.unpack(reader.take(HELLO_SIZE))
         server_nonce = auth.nonce()
         proof = auth.target_proof(token, hello.nonce, server_nonce)

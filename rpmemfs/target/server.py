@@ -13,7 +13,7 @@ import trio
 
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
-from rpmemfs.target.handshake import HandshakeRefused, accept, refuse
+from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
 from rpmemfs.target.lane_native import NativeLane
 from rpmemfs.target.peers import peer_allowed
 from rpmemfs.target.pools import PoolStore
@@ -166,6 +166,11 @@ class Server:
                 role, session = await accept(sock, reader, peer, self._token, self.sessions, self.info)
         except HandshakeRefused as exc:
             log.warning("refused %s: %s", peer, exc.reason)
+            return
+        except ClosedBeforeHello:
+            # Initiators probe a target they lost every fraction of a second until it is
+            # back: not worth a line at the default level.
+            log.debug("peer %s closed before the handshake (a reachability probe)", peer)
             return
         except trio.TooSlowError:
             log.warning("refused %s: handshake not completed within %gs", peer, cfg.handshake_timeout)

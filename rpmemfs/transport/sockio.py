@@ -14,6 +14,7 @@ import math
 import os
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
@@ -97,9 +98,18 @@ class SockIO:
             self.sock.close()
 
 
-async def connect_socket(host: str, port: int) -> socket.socket:
-    """A connected non-blocking TCP socket to the first address of ``host`` that answers."""
-    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+AddrInfo = tuple[int, int, int, str, tuple[Any, ...]]
+
+
+async def resolve(host: str, port: int) -> list[AddrInfo]:
+    return list(await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+
+
+async def connect_socket(host: str, port: int, infos: Sequence[AddrInfo] | None = None) -> socket.socket:
+    """A connected non-blocking TCP socket to the first address of ``host`` that answers
+    (of ``infos`` when given: the caller resolved ``host`` already)."""
+    if infos is None:
+        infos = await resolve(host, port)
     last: OSError | None = None
     for family, type_, proto, _, addr in infos:
         sock = socket.socket(family, type_, proto)

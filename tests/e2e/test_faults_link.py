@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 from conftest import Host, MountPool, ip
@@ -65,3 +67,65 @@ def test_a_cut_link_costs_one_timeout_and_the_replica_catches_up_when_it_is_back
         for name, data in acked.items():
             assert (alone.path / name).read_bytes() == data, (h.target.address, name)
         alone.unmount()
+
+
+# An fsync may wait for a replica up to the timeout, and then for the local persist and the
+# other replica: on this 2-core machine shared with other test runs, that can take a while.
+SLACK = 2.0
+
+
+def test_a_cut_link_never_stalls_an_fsync_past_the_replica_timeout(
+        work_dir: Path, hosts: list[Host], mount_pool: MountPool) -> None:
+    pool = work_dir / "app.pool"
+    res = cli("mkfs", pool, "--size", "128M", "--token-file", work_dir / "token",
+              *(a for h in hosts for a in ("--replica", f"{h.target.address}/app")))
+    assert res.returncode == 0, res.stderr
+    timeout = 2.0
+    m = mount_pool(pool, options=f"pmem=force,min_replicas=1,replica_timeout={timeout:g}")
+    acked: dict[str, bytes] = {}
+    took: list[tuple[float, float]] = []  # (when it started, how long write + fsync took)
+    failed: list[str] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            name, data = f"w{i % 40}", os.urandom(20_000 + 997 * (i % 50))
+            t = time.monotonic()
+            try:
+                write_fsync(m.path / name, data)
+            except OSError as exc:
+                failed.append(f"{name}: {exc}")
+            else:
+                acked[name] = data
+            took.append((t, time.monotonic() - t))
+            i += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        time.sleep(1)
+        # Cut; back for a moment (the keeper reconnects and resyncs while writes go on);
+        # cut again, perhaps mid-resync; back for good.
+        for down, up in ((6.0, 0.4), (4.0, 0.0)):
+            ip("link", "set", hosts[1].veth, "down")
+            time.sleep(down)
+            ip("link", "set", hosts[1].veth, "up")
+            time.sleep(up)
+        assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=60), status_json(m.path)
+        time.sleep(1)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failed, failed[:5]
+    worst = max(d for _, d in took)
+    print(f"{len(took)} fsyncs, the slowest {worst:.2f} s (replica_timeout {timeout:g} s)")
+    assert worst < timeout + SLACK, sorted(d for _, d in took)[-10:]
+    # Some fsync did wait for the cut replica: the cut was real.
+    assert worst > timeout * 0.5, worst
+    for name, data in acked.items():
+        assert (m.path / name).read_bytes() == data, name
+    m.unmount()
+    local = pool_content(pool)
+    for h in hosts:
+        assert pool_content(replica_file(h.target)) == local, h.target.address

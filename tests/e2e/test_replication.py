@@ -193,11 +193,13 @@ def test_verify_compares_chunk_checksums_and_finds_a_flipped_byte(
     assert refused.returncode != 0 and "is mounted at" in refused.stderr, refused.stderr
     m.unmount()
 
-    res = cli("verify", pool, "--chunk", "64K", "--json")
+    res = cli("verify", pool, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     assert report["clean"] and len(report["replicas"]) == 2
-    assert all(r["chunks"] == 64 * 1024 // 64 for r in report["replicas"])  # 64M pool, 64K chunks
+    # The pool's chunk, the sync map's: 64K for a 64M pool, which has 1024 of them.
+    assert report["chunk"] == 64 * 1024
+    assert all(r["compared_chunks"] == 1024 and r["differing_chunks"] == 0 for r in report["replicas"])
 
     # One byte flipped in the middle of the second replica's pool: exactly that chunk differs.
     victim = replica_file(targets[1], "app")
@@ -207,14 +209,20 @@ def test_verify_compares_chunk_checksums_and_finds_a_flipped_byte(
         old = f.read(1)
         f.seek(at)
         f.write(bytes([old[0] ^ 0xFF]))
-    res = cli("verify", pool, "--chunk", "64K", "--json")
+    res = cli("verify", pool, "--json")
     assert res.returncode == 1, res.stdout + res.stderr
     report = json.loads(res.stdout)
     first, second = report["replicas"]
     assert first["differing"] == [] and first["error"] is None
     assert second["differing"] == [{"offset": at // 65536 * 65536, "length": 65536}]
-    text = cli("verify", pool, "--chunk", "64K")
+    assert second["differing_chunks"] == 1
+    text = cli("verify", pool)
     assert text.returncode == 1 and "DIFFERS" in text.stdout and "NOT CLEAN" in text.stdout
+    # A chunk of another size, asked for: the same range, counted in its chunks.
+    res = cli("verify", pool, "--chunk", "1M", "--json")
+    report = json.loads(res.stdout)
+    assert report["chunk"] == 1 << 20 and report["replicas"][1]["compared_chunks"] == 64
+    assert report["replicas"][1]["differing"] == [{"offset": at >> 20 << 20, "length": 1 << 20}]
 
     # A stopped target is reported, not skipped.
     targets[0].stop()

@@ -64,6 +64,8 @@ class MemTarget:
         # ("flush", pool), ("read", pool, offset, length), ("checksum", pool, offset, length).
         self.ops: list[Op] = []
         self.connects = 0
+        self.attempts: list[float] = []  # when each connection was tried, refused or not
+        self.probes = 0  # reachability probes (ReplicaSet.probe) that reached it
         self.sessions: list[MemSession] = []
         self._up = True
         self._hung = False
@@ -364,6 +366,8 @@ class MemTransport:
     async def connect(self, address: str, token: bytes | None = None, *, lanes: int = 1,
                       timeout: float = DEFAULT_TIMEOUT) -> MemSession:
         target = self.targets.get(address)
+        if target is not None:
+            target.attempts.append(trio.current_time())
         if target is None or not target._up:
             raise TransportError(address, "connection refused", lane_lost=True)
         target.connects += 1
@@ -371,6 +375,16 @@ class MemTransport:
         await target.answer(session, trio.current_time() + timeout)
         target.sessions.append(session)
         return session
+
+
+    async def probe(self, address: str) -> bool:
+        """Whether the target accepts connections now (ReplicaSet.probe): a hung target does,
+        as a stopped process's listening socket still completes TCP handshakes."""
+        target = self.targets.get(address)
+        if target is None or not target._up:
+            return False
+        target.probes += 1
+        return True
 
 
 def _conforms(t: MemTransport, s: MemSession, lane: MemLane, ticket: MemTicket) -> tuple[

@@ -39,6 +39,9 @@ class Source:
         self.queue.append(c)
         return c
 
+    def has_changes(self) -> bool:
+        return bool(self.queue)
+
     def take_changes(self) -> FakeChanges:
         return self.queue.pop(0) if self.queue else FakeChanges(seq=self.seq, tail=self.seq * 100)
 

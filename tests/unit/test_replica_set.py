@@ -9,6 +9,7 @@ no real time, and durations are exact.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +23,8 @@ from memtransport import MemTarget, MemTransport
 from rpmemfs.pool.layout import BLOCK, Header
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaError, ReplicaSet, ReplicaSpec
+from rpmemfs.replica import resync as resync_module
+from rpmemfs.replica.replica_set import DEFAULT_RECONNECT, MAX_RECONNECT, PROBE_INTERVAL
 
 TIMEOUT = 2.0
 NAME = "app"
@@ -49,9 +52,11 @@ class Rig:
         self.specs = [ReplicaSpec.make(t.address, NAME) for t in self.targets]
 
     async def open(self, min_replicas: int | None = None, timeout: float = TIMEOUT) -> ReplicaSet:
-        return await ReplicaSet.open(self.specs, self.local, self.hdr.uuid, None, lanes=2, timeout=timeout,
-                                     min_replicas=min_replicas, transport=self.transport,
-                                     syncmap=self.syncmap)
+        rs = await ReplicaSet.open(self.specs, self.local, self.hdr.uuid, None, lanes=2, timeout=timeout,
+                                   min_replicas=min_replicas, transport=self.transport,
+                                   syncmap=self.syncmap)
+        rs.probe = self.transport.probe
+        return rs
 
     def scribble(self, ranges: list[tuple[int, int]]) -> None:
         """Change the local pool there (as the filesystem would before a durability point)."""
@@ -393,6 +398,91 @@ def test_a_hung_replica_that_resumes_is_brought_back_by_keep() -> None:
     run(main)
 
 
+def gaps(times: list[float]) -> list[float]:
+    return [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)]
+
+
+def test_reconnect_attempts_back_off_to_at_most_max_reconnect() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+
+        async def silent(address: str) -> bool:
+            return False  # a port that never answers: only the backoff brings it back
+
+        rs.probe = silent
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            target.drop()
+            await rs.barrier([data(rig.hdr, 1)])
+            t0 = trio.current_time()
+            await trio.sleep(600)  # a long outage
+            tried = [t for t in target.attempts if t > t0]
+            assert tried[0] - t0 == pytest.approx(DEFAULT_RECONNECT)
+            assert gaps(tried)[:3] == [2 * DEFAULT_RECONNECT, 4 * DEFAULT_RECONNECT, MAX_RECONNECT]
+            assert max(gaps(tried)) == MAX_RECONNECT == 5.0
+            back = trio.current_time()
+            target.restart()
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert trio.current_time() - back <= MAX_RECONNECT
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_target_that_accepts_connections_again_is_tried_at_once() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            target.drop()
+            missed = [data(rig.hdr, 7)]
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            t0 = trio.current_time()
+            await trio.sleep(100.1)  # the backoff is at its cap: the next attempt is seconds away
+            tried = [t for t in target.attempts if t > t0]
+            # The probes woke nobody while the target was down: full attempts as the backoff says.
+            assert len(tried) == len([t for t in (1, 3, 7, *range(12, 101, 5)) if t <= 100.1])
+            back = trio.current_time()
+            target.restart()
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert trio.current_time() - back <= PROBE_INTERVAL
+            assert target.probes == 1  # the probe that saw it back, then the attempt
+            assert rig.identical(1)
+            assert rs.status()[1]["last_error"] is None
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_target_that_is_up_but_refuses_is_not_retried_faster() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rig.targets[1].pools[NAME] = other_pool()
+        rs = await rig.open(min_replicas=1)
+        target = rig.targets[1]
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await trio.sleep(60)
+            nursery.cancel_scope.cancel()
+        tried = [t for t in target.attempts if t > t0]
+        assert max(gaps(tried)) == MAX_RECONNECT
+        assert len(tried) <= 14  # 1, 3, 7, then every 5 s
+        # One probe per wait (which finds it accepting, so the wait runs its course).
+        assert target.probes <= len(tried) + 1
+        assert states(rs) == ["in-sync", "stale"]
+        await rs.aclose()
+
+    run(main)
+
+
 # ------------------------------------------------------------------ the wrong pool
 
 
@@ -463,6 +553,123 @@ def test_an_unreachable_replica_at_open_joins_once_it_is_up() -> None:
             await until(lambda: states(rs) == ["in-sync"] * 2)
             assert rig.identical(1)
             nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+# ------------------------------------------------------------------ the barrier lock
+
+
+async def timed_barrier(rs: ReplicaSet, ranges: list[tuple[int, int]]) -> float:
+    """A barrier posted under the barrier lock, as a durability point posts it; how long it took."""
+    t = trio.current_time()
+    async with rs.lock:
+        flight = rs.post(ranges)
+    await rs.complete(flight)
+    return trio.current_time() - t
+
+
+def test_a_slow_last_resync_pass_holds_barriers_no_longer_than_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            target.drop()
+            missed = [data(rig.hdr, 16 * i) for i in range(8)]  # 8 chunks: 8 copy batches
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            # Each batch answered within the timeout, but 8 of them take 12 s: the last pass
+            # (under the barrier lock: 8 chunks is a small one) must give up at the timeout.
+            target.reply_delays([1.5] * 8)
+            target.restart()
+            await until(lambda: rs.replicas[1].state == "resyncing")
+            waited = await timed_barrier(rs, [data(rig.hdr, 300)])
+            assert waited <= TIMEOUT
+            await until(lambda: rs.replicas[1].state == "stale", limit=0.1)
+            assert "last resync pass did not end within 2s" in (rs.replicas[1].last_error or "")
+            # Tried again (the delays run out): everything reaches it.
+            await until(lambda: states(rs) == ["in-sync"] * 2)
+            assert rig.identical(1)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+@pytest.fixture
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checksums computed in the task, not a worker thread: MockClock jumps ahead while a
+    thread runs, so timings measured around one would be whatever the jumps made them."""
+    async def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+
+
+def _damage(rig: Rig, i: int, blocks: list[int]) -> None:
+    pool = rig.targets[i].pools[NAME]
+    for b in blocks:
+        off, n = data(rig.hdr, b)
+        pool[off: off + n] = os.urandom(n)
+
+
+def test_a_live_repair_holds_barriers_for_one_batch_at_a_time(
+        monkeypatch: pytest.MonkeyPatch, inline_threads: None) -> None:
+    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        _damage(rig, 1, [16 * i for i in range(8)])
+        rig.targets[1].delay(0.5)  # every flush: a batch of the repair, a barrier
+        result: dict[str, Any] = {}
+
+        async def repair() -> None:
+            result.update(await rs.repair(rs.replicas[1]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(repair)
+            await until(lambda: (rs.replicas[1].resync or {}).get("phase") == "repair")
+            waits = [await timed_barrier(rs, [data(rig.hdr, 300 + k)]) for k in range(3)]
+        # Each waited for one batch (0.5 s) and its own flush (0.5 s), not the whole repair (4 s).
+        assert max(waits) <= 1.0 + 0.05, waits
+        assert result["differing_chunks"] == 8 and result["chunks_sent"] == 8
+        assert rig.identical(1) and states(rs) == ["in-sync"] * 2
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_cut_link_during_a_live_repair_holds_barriers_no_longer_than_the_timeout(
+        monkeypatch: pytest.MonkeyPatch, inline_threads: None) -> None:
+    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        _damage(rig, 1, [16 * i for i in range(8)])
+        rig.targets[1].reply_delays([math.inf])  # the first batch of the repair is never answered
+
+        async def repair() -> None:
+            with pytest.raises(trio.TooSlowError):
+                await rs.repair(rs.replicas[1])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(repair)
+            await until(lambda: (rs.replicas[1].resync or {}).get("phase") == "repair")
+            waited = await timed_barrier(rs, [data(rig.hdr, 300)])
+        # It waited for the lock until the batch timed out, and then not for the replica
+        # that had failed: less than one timeout in all.
+        assert waited <= TIMEOUT
+        assert states(rs) == ["in-sync", "stale"]
+        # What it found to differ and did not get is compared again when it is back.
+        assert rig.syncmap.full(1)
         await rs.aclose()
 
     run(main)
