@@ -155,12 +155,22 @@ async def _copy(pool: str, hdr: Header, session: Session, region: RemoteRegion, 
                 progress: Progress | None, timeout: float) -> tuple[int, int, int]:
     """Bring ``pool`` to the source's content: (bytes copied, chunks compared, chunks that
     differed before the copy; 0 for a fresh copy)."""
-    limit = hdr.map_off
-    chunk = chunk_of(hdr)  # the unit verify and sync count in too
-    lane = session.lanes[0]
     incremental = os.path.exists(pool) and _same_pool(pool, hdr)
     if not incremental:
         os.close(create_file(pool, hdr.pool_size, force))
+    try:
+        return await _copy_into(pool, hdr, session, region, incremental, progress, timeout)
+    except BaseException:
+        if not incremental:
+            os.unlink(pool)  # half a pool is no pool: nothing is left to mistake for one
+        raise
+
+
+async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteRegion, incremental: bool,
+                     progress: Progress | None, timeout: float) -> tuple[int, int, int]:
+    limit = hdr.map_off
+    chunk = chunk_of(hdr)  # the unit verify and sync count in too
+    lane = session.lanes[0]
     with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
         buf = mapping.buf
         if incremental:
