@@ -31,8 +31,10 @@ for arg in "$@"; do
 done
 .venv/bin/python -m pip install -q -e ".${extras}"
 if [ "$system" = 1 ]; then
-  # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work.
+  # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work; the
+  # umount(8) helper, so `umount DIR` returns once the daemon has closed the pool.
   ln -sf "$PWD/.venv/bin/rpmemfs" /usr/local/bin/rpmemfs
   install -m 755 mount/mount.rpmemfs /sbin/mount.fuse.rpmemfs
+  install -m 755 mount/umount.rpmemfs /sbin/umount.fuse.rpmemfs
 fi
 .venv/bin/python -c "import rpmemfs.native as n; print('rpmemfs installed; cache flush:', n.flush_kind(), '; crc32c in hardware:', n.crc32c_hw())"
