@@ -79,6 +79,15 @@ class Asker:
                 log.info("control client does not read; dropping it")
                 self.gone = True
 
+    def present(self) -> bool:
+        """Whether the client is still there: it has not closed its end (a client that gave up
+        waiting must not have its request carried out after it said it was not)."""
+        if self.gone:
+            return False
+        p = select.poll()
+        p.register(self._stream.socket.fileno(), select.POLLRDHUP)
+        return not p.poll(0)
+
     def hold(self) -> int:
         """A second descriptor of the connection, for a line after the event loop has ended
         (tell_held). It is never closed: the client sees the connection end when this process

@@ -109,6 +109,7 @@ class Mounted:
     """A pool opened and served at a mountpoint."""
 
     ending: Ending | None = None  # how the mount ends: serve() makes it, before mounting
+    _syncing: trio.Lock | None = None  # held by the `rpmemfs sync` under way
 
     def __init__(self, pool: str, mountpoint: str, mo: MountOptions) -> None:
         self.mo = mo
@@ -341,8 +342,18 @@ class Mounted:
         if rs is None:
             return {"error": f"{self.pool} has no replicas to sync"}
         t0 = time.monotonic()
+        if self._syncing is None:
+            self._syncing = trio.Lock()
+        syncing = self._syncing
 
         async def work(count: Callable[[int], None]) -> dict[str, Any]:
+            # One at a time: two repairs of one replica would share its progress record and
+            # its bulk lane. A second sync (its asker's first one was killed while the work
+            # went on, say) starts when the first ends.
+            async with syncing:
+                return await repair_all(count)
+
+        async def repair_all(count: Callable[[int], None]) -> dict[str, Any]:
             results: list[dict[str, Any]] = []
             for r in rs.replicas:
                 entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state}

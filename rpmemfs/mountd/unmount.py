@@ -108,8 +108,11 @@ class Ending:
         self._held: list[int] = []  # `rpmemfs umount` connections, told when the pool is closed
         self._lock = trio.Lock()
 
-    async def _detach(self, *, lazy: bool) -> None:
+    async def _detach(self, *, lazy: bool, asker: control.Asker | None = None) -> None:
         async with self._lock:
+            if asker is not None and not asker.present():
+                # It timed out and told its user the mount stays: so it does.
+                raise OSError(errno.ECANCELED, "the asker gave up waiting")
             if not self.detached:
                 # In a thread: a plain unmount writes back cached pages, through this daemon.
                 await trio.to_thread.run_sync(lambda: detach(self.point, self.source, lazy=lazy))
@@ -124,7 +127,7 @@ class Ending:
         held = send.hold()
         self._held.append(held)
         try:
-            await self._detach(lazy=False)
+            await self._detach(lazy=False, asker=send)
         except OSError as e:
             self._held.remove(held)
             os.close(held)
