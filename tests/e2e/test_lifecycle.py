@@ -147,6 +147,71 @@ def test_a_control_client_killed_mid_request_leaves_the_daemon_serving(
     assert [r["state"] for r in status_json(m.path)["replicas"]] == ["in-sync", "in-sync"]
 
 
+def test_a_sync_cut_short_by_the_end_of_the_mount_leaves_its_replica_to_a_full_comparison(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """The one thing that cancels a live sync is the end of its mount. Which of the chunks it
+    found were sent is unknown then, so its replica is compared in full at the next mount
+    (the other one, not being repaired, is not)."""
+    pool = _replicated(work_dir, targets, "64M")
+    m = mount_pool(pool)
+    assert m.proc is not None and targets[0].proc is not None
+    write_fsync(m.path / "f", os.urandom(100_000))
+    _stop(targets[0].proc.pid)  # the sync waits on replica 0's first checksums
+    try:
+        master, slave = pty.openpty()
+        client = subprocess.Popen([*CLI, "sync", str(m.path)], cwd=REPO, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=slave, env=child_env())
+        os.close(slave)
+        seen = b""
+        while b"sync [" not in seen:
+            assert select.select([master], [], [], 60)[0], seen
+            seen += os.read(master, 4096)
+        os.kill(m.proc.pid, signal.SIGTERM)  # nothing open: the mount ends at once
+        # The sync is cancelled (its asker's connection ends without an answer) while the
+        # target still sleeps: the cut is certain, whatever the timing.
+        assert client.wait(60) != 0
+    finally:
+        os.kill(targets[0].proc.pid, signal.SIGCONT)
+        os.close(master)
+    assert m.daemon is not None and m.daemon.wait(60) == 0, m.output()
+    assert not is_mounted(m.path)
+    assert_check_clean(pool)
+    m.start()
+    first, second = (r["last_resync"] for r in status_json(m.path)["replicas"])
+    assert first["compared_chunks"] > 0 and second["compared_chunks"] == 0, (first, second)
+    assert cli("verify", m.path).returncode == 0
+
+
+def test_a_live_sync_that_fails_on_a_replica_has_it_compared_in_full_when_it_is_back(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """What a failed repair found differing is in no sync map: the replica's resync compares
+    every chunk, instead of sending only what the barriers it missed wrote."""
+    pool = _replicated(work_dir, targets, "64M")
+    m = mount_pool(pool, options="pmem=force,min_replicas=1")
+    doomed = targets[0]
+    assert doomed.proc is not None
+    write_fsync(m.path / "f", os.urandom(100_000))
+    _stop(doomed.proc.pid)
+    client = subprocess.Popen([*CLI, "sync", str(m.path)], cwd=REPO, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    time.sleep(1.0)  # its comparison of replica 0 waits on the stopped target
+    doomed.kill()  # the connection is reset: the repair fails
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == 1 and "repair failed" in out, (out, err)
+    again = doomed.respawn(log_path=work_dir / "target0-again.log")
+    targets.append(again)
+    again.start()
+
+    def back() -> bool:
+        r = status_json(m.path)["replicas"][0]
+        return r["state"] == "in-sync" and r["resyncs"] >= 2
+
+    assert wait_until(back, 60), status_json(m.path)["replicas"][0]
+    resync = status_json(m.path)["replicas"][0]["last_resync"]
+    assert resync["compared_chunks"] > 0, resync
+    assert cli("verify", m.path).returncode == 0
+
+
 def test_garbage_on_the_control_socket_harms_no_daemon(make_pool: MakePool, mount_pool: MountPool) -> None:
     import socket
 
