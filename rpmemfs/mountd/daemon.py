@@ -390,6 +390,7 @@ class Mounted:
         ready()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ending.signals, pyfuse3.terminate)
+            nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:
                 nursery.start_soon(self.replicas.keep, self.durability.note_replicas)

@@ -8,6 +8,13 @@ that by itself: `rpmemfs umount` (and the umount(8) helper, mount/umount.rpmemfs
 daemon, which unmounts itself here, plainly (EBUSY while files are open: the mount stays),
 and answers once more when the pool is closed. A signal detaches the mount lazily instead:
 the mountpoint is gone at once, and files open there are served until they are closed.
+
+The kernel may keep the mount alive after every file on it is closed: a copy of it in a mount
+namespace made while it was mounted (a container, `ip netns exec`, a service's private /tmp)
+where it is not unmounted with ours, or a process's working directory there. Nobody could
+open a file on it but through those, so once it is detached and no file or directory is open
+any more the daemon stops serving it (Ending.watch): what is left of it answers ENOTCONN.
+
 Nothing here stats the mount itself: that would wait on the very daemon that is asking, or
 hang on one that does not answer.
 """
@@ -33,6 +40,7 @@ log = logging.getLogger("rpmemfs.mount")
 
 MNT_DETACH = 2  # umount2(2): detach now, let go of the filesystem when its last user does
 FUSERMOUNT_SECONDS = 60.0
+IDLE_POLL_SECONDS = 0.2  # how often a detached mount is checked for files still open
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -105,6 +113,7 @@ class Ending:
         self.point = os.path.realpath(mountpoint)
         self.source = "rpmemfs:" + pool
         self.detached = False  # the kernel let go of the mountpoint (open files still served)
+        self._detached = trio.Event()
         self._held: list[int] = []  # `rpmemfs umount` connections, told when the pool is closed
         self._lock = trio.Lock()
 
@@ -117,6 +126,7 @@ class Ending:
                 # In a thread: a plain unmount writes back cached pages, through this daemon.
                 await trio.to_thread.run_sync(lambda: detach(self.point, self.source, lazy=lazy))
                 self.detached = True
+                self._detached.set()
 
     async def umount(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs umount MOUNTPOINT`: unmount (refused while files are open: the mount
@@ -165,6 +175,19 @@ class Ending:
                                 "ENOTCONN", name, self.mountpoint)
                 terminate()
                 return
+
+    async def watch(self, terminate: Callable[[], None], handles_open: Callable[[], int]) -> None:
+        """Once detached, stop serving when no file or directory is open on the mount any more
+        (``handles_open``), whatever else still holds it in the kernel (see the module's
+        docstring). Usually the FUSE loop has ended before: the kernel let go at once."""
+        await self._detached.wait()
+        await trio.sleep(IDLE_POLL_SECONDS)  # time for the loop to end by itself
+        while handles_open():
+            await trio.sleep(IDLE_POLL_SECONDS)
+        log.warning("%s is detached and nothing is open on it, but the kernel still holds it (a "
+                    "copy in another mount namespace, or a working directory there): stopping",
+                    self.mountpoint)
+        terminate()
 
     def tell(self, last: dict[str, Any]) -> None:
         """The pool is closed (``last`` says how): the last word to every `rpmemfs umount`."""

@@ -334,6 +334,43 @@ def test_the_umount_helper_waits_for_the_daemon_and_leaves_lazy_unmounts_to_umou
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs root")
+def test_a_copy_of_the_mount_in_another_namespace_is_served_while_a_file_is_open_there(
+        make_pool: MakePool, mount_pool: MountPool) -> None:
+    """A mount namespace made while the pool is mounted (a container, `ip netns exec`) holds a
+    copy of the mount that our unmount does not remove. The daemon serves the file open there
+    until it is closed, then stops though the copy is still there."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    m = mount_pool(make_pool("16M"))
+    write_fsync(m.path / "f", b"seen from another namespace")
+    holder = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"exec 3< {m.path}/f; echo open; read x; cat <&3; exec 3<&-; echo; echo closed; read y"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "open\n"
+        umount = subprocess.Popen([*CLI, "umount", str(m.path)], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=child_env())
+        assert wait_until(lambda: not is_mounted(m.path), 30)  # gone here at once...
+        time.sleep(1.0)
+        assert umount.poll() is None and m.running  # ...and still served there
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "seen from another namespace\n"
+        assert holder.stdout.readline() == "closed\n"
+        # The copy is still mounted there, nothing is open on it: the daemon is done.
+        out, err = umount.communicate(timeout=60)
+        assert umount.returncode == 0, (out, err)
+        assert m.proc is not None and m.proc.poll() == 0
+        assert "kernel still holds it" in m.output()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert_check_clean(m.pool)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs root")
 def test_umount8_waits_through_the_installed_helper(work_dir: Path, make_pool: MakePool) -> None:
     """`umount DIR` itself, with the helper installed as scripts/install.sh --system does -- in
     a private mount namespace whose /usr/sbin is a copy, so nothing else on this machine (other
