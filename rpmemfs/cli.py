@@ -123,7 +123,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if "closed" not in last:  # refused, busy say: still mounted
         raise CliError(str(last.get("error", f"unexpected answer {last}")))
     if not last["closed"]:
-        raise CliError(f"the daemon of {mp} exited without closing its pool (its log says why)")
+        raise CliError(f"{mp} is unmounted, but its daemon did not say its pool is closed: "
+                       f"{last.get('error') or 'it exited without a word (its log says why)'}")
     if not last.get("clean"):
         raise CliError(f"{mp} is unmounted and its daemon has exited, but {last.get('error')}")
     return 0

@@ -80,12 +80,13 @@ class Asker:
                 self.gone = True
 
     def present(self) -> bool:
-        """Whether the client is still there: it has not closed its end (a client that gave up
-        waiting must not have its request carried out after it said it was not)."""
+        """Whether the client is still there: it has not closed its connection (a client that
+        gave up waiting must not have its request carried out after it said it was not). One
+        that only shut down its sending side is still there."""
         if self.gone:
             return False
         p = select.poll()
-        p.register(self._stream.socket.fileno(), select.POLLRDHUP)
+        p.register(self._stream.socket.fileno(), select.POLLHUP)
         return not p.poll(0)
 
     def hold(self) -> int:
@@ -205,7 +206,8 @@ def unmount(point: str, timeout: float | None) -> dict[str, Any]:
 
     The answer is the daemon's refusal ({"error": ...}: busy, say; it stays mounted), or its
     last word, {"closed": bool, "clean": bool, ...} (closed False: it exited without saying
-    the pool is closed). OSError when no daemon answers within ``timeout``.
+    the pool is closed, or did not exit; "error" says more). OSError (or ValueError for what
+    is not an answer) when no daemon answers within ``timeout``: nothing was done then.
     """
     with _connect(socket_path(point, resolved=True), timeout) as s:
         s.sendall(b"umount\n")
@@ -223,14 +225,20 @@ def unmount(point: str, timeout: float | None) -> dict[str, Any]:
             # The kernel has let go; closing the pool takes the last durability point, which
             # is bounded by the replicas' timeout, not by ours.
             s.settimeout(None)
-            for line in [first, *f]:
-                got = json.loads(line)
-                if isinstance(got, dict) and "closed" in got:
-                    last = got
+            try:
+                for line in [first, *f]:
+                    got = json.loads(line)
+                    if isinstance(got, dict) and "closed" in got:
+                        last = got
+            except (OSError, ValueError) as e:
+                return {**last, "closed": False, "error": f"its last word was lost: {e}"}
             # The connection ends when the daemon's process does: its last word may come
             # just before.
     if isinstance(pid, int):
-        _wait_exit(pid, EXIT_WAIT)
+        try:
+            _wait_exit(pid, EXIT_WAIT)
+        except OSError as e:
+            return {**last, "closed": False, "error": str(e)}
     return last
 
 

@@ -231,3 +231,35 @@ def test_unmount_client_reports_a_refusal_and_the_last_word(sock_path: str, monk
 
     trio.run(main)
     assert Path(sock_path).exists() is False
+
+
+def test_an_asker_that_closed_is_not_present_one_that_only_stopped_sending_is(sock_path: str) -> None:
+    seen: list[bool] = []
+    asked = [trio.Event()]
+
+    async def look(args: list[str], send: control.Send) -> dict[str, Any]:
+        asked[0].set()
+        await trio.sleep(0.2)  # meanwhile the client does what its argument says
+        seen.append(send.present())
+        return {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(control.serve, sock_path, {"look": look})
+            for how in ("close", "shut_wr"):
+                stream = await _connect(sock_path)
+                await stream.send_all(b"look\n")
+                await asked[0].wait()
+                if how == "close":
+                    await stream.aclose()
+                else:
+                    await stream.send_eof()
+                    assert await _lines(stream) == [{}]
+                    await stream.aclose()
+                asked[0] = trio.Event()
+                while len(seen) < (1 if how == "close" else 2):
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert seen == [False, True]
