@@ -115,6 +115,7 @@ class Ending:
         self.detached = False  # the kernel let go of the mountpoint (open files still served)
         self._detached = trio.Event()
         self._held: list[int] = []  # `rpmemfs umount` connections, told when the pool is closed
+        self._second = ""  # the signal that detached the mount: it stops serving if sent again
         self._lock = trio.Lock()
 
     async def _detach(self, *, lazy: bool, asker: control.Asker | None = None) -> None:
@@ -166,9 +167,8 @@ class Ending:
                         log.error("signal %s: cannot detach %s (%s); stopping now", name,
                                   self.mountpoint, e)
                     else:
-                        log.warning("signal %s: %s detached; files still open there are served "
-                                    "until they are closed (%s again stops now)", name,
-                                    self.mountpoint, name)
+                        log.info("signal %s: %s detached", name, self.mountpoint)
+                        self._second = name
                         continue
                 else:
                     log.warning("signal %s again: stopping now; files still open on %s get "
@@ -182,6 +182,10 @@ class Ending:
         docstring). Usually the FUSE loop has ended before: the kernel let go at once."""
         await self._detached.wait()
         await trio.sleep(IDLE_POLL_SECONDS)  # time for the loop to end by itself
+        if n := handles_open():
+            log.warning("%s is detached; %d files or directories still open there are served "
+                        "until they are closed%s", self.mountpoint, n,
+                        f" ({self._second} again stops now)" if self._second else "")
         while handles_open():
             await trio.sleep(IDLE_POLL_SECONDS)
         log.warning("%s is detached and nothing is open on it, but the kernel still holds it (a "
