@@ -1,5 +1,5 @@
-"""The `rpmemfs` command: mkfs, mount, status, flush, check, verify, sync, recover, promote,
-pools, evict, target, bench, soak, demo.
+"""The `rpmemfs` command: mkfs, mount, umount, status, flush, check, verify, sync, recover,
+promote, pools, evict, target, bench, soak, demo.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
@@ -87,9 +87,51 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from rpmemfs.mountd.daemon import run
+    from rpmemfs.mountd.start import run
 
     return run(args.pool, args.mountpoint, args.o or [], args.foreground)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from rpmemfs.mountd import control, unmount
+    from rpmemfs.mountinfo import mount_at
+
+    mp = args.mountpoint
+    if not args.timeout > 0:
+        raise CliError("--timeout must be a positive number of seconds")
+    point = unmount.kernel_path(mp)
+    entry = mount_at(point)
+    if entry is None:
+        raise CliError(f"{mp} is not a mount point")
+    if entry.fstype != "fuse.rpmemfs":
+        raise CliError(f"{mp} is not an rpmemfs mount (it is {entry.fstype}): umount(8) unmounts it")
+    try:
+        last = control.unmount(point, args.timeout)
+    except TimeoutError:
+        raise CliError(f"the rpmemfs daemon of {mp} does not answer (nothing within "
+                       f"{args.timeout:g} s); it stays mounted") from None
+    except (ConnectionRefusedError, FileNotFoundError) as e:
+        if not unmount.connection_lost(point):
+            raise CliError(f"no rpmemfs daemon answers for {mp} ({e}); it stays mounted") from None
+        # Its daemon is dead (kill -9, a crash): nothing is left to wait for but the mount.
+        try:
+            unmount.detach(point, entry.source, lazy=False)
+        except OSError as e2:
+            raise CliError(f"the daemon of {mp} has died, and {mp} cannot be unmounted: "
+                           f"{e2.strerror or e2}") from None
+        raise CliError(f"the daemon of {mp} had died: {mp} is unmounted now, but its pool was not "
+                       "closed clean (the next mount replays its log and compares its replicas "
+                       "in full)") from None
+    except (OSError, ValueError) as e:
+        raise CliError(f"no rpmemfs daemon answers for {mp} ({e}); it stays mounted") from None
+    if "closed" not in last:  # refused, busy say: still mounted
+        raise CliError(str(last.get("error", f"unexpected answer {last}")))
+    if not last["closed"]:
+        raise CliError(f"{mp} is unmounted, but its daemon did not say its pool is closed: "
+                       f"{last.get('error') or 'it exited without a word (its log says why)'}")
+    if not last.get("clean"):
+        raise CliError(f"{mp} is unmounted and its daemon has exited, but {last.get('error')}")
+    return 0
 
 
 def _status(mountpoint: str) -> dict[str, Any]:
@@ -435,6 +477,13 @@ def build_parser() -> ArgumentParser:
                    help="pmem=auto|force|msync, min_replicas=K, replica_timeout=S, commit=S "
                         "(periodic durability point, default 5, 0 = off), token_file=F, log=FILE, "
                         "debug, allow_other (README lists them all)")
+
+    s = command("umount", cmd_umount, "unmount, and return once the daemon has closed the pool "
+                "and exited")
+    s.add_argument("mountpoint")
+    s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long the daemon may take to answer (default 60); closing the pool "
+                        "afterwards is bounded by the replicas' timeout instead")
 
     s = command("status", cmd_status, "show a mount's state")
     s.add_argument("mountpoint")

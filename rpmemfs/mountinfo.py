@@ -20,6 +20,8 @@ class MountEntry:
     mountpoint: str
     fstype: str  # "fuse.rpmemfs", "tmpfs", ...
     source: str  # for an rpmemfs mount "rpmemfs:" + the pool's path
+    mount_id: int = 0
+    parent_id: int = 0  # a mount stacked on another at the same point has it as its parent
 
 
 def _unescape(field: str) -> str:
@@ -33,7 +35,8 @@ def parse_line(line: str) -> MountEntry | None:
     fields = line.split()
     try:
         sep = fields.index("-", 6)
-        return MountEntry(_unescape(fields[4]), fields[sep + 1], _unescape(fields[sep + 2]))
+        return MountEntry(_unescape(fields[4]), fields[sep + 1], _unescape(fields[sep + 2]),
+                          int(fields[0]), int(fields[1]))
     except (ValueError, IndexError):
         return None
 
@@ -48,6 +51,15 @@ def is_mounted(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a mount point (also a FUSE mount whose daemon died)."""
     target = os.path.realpath(path)
     return any(e.mountpoint == target for e in mounts())
+
+
+def mount_at(point: str) -> MountEntry | None:
+    """The mount on top at ``point`` (a path as the table writes it: absolute, resolved), if
+    any: the one a path lookup, and an unmount, reaches."""
+    here = [e for e in mounts() if e.mountpoint == point]
+    below = {e.parent_id for e in here}
+    top = [e for e in here if e.mount_id not in below]
+    return top[-1] if top else None
 
 
 def mounts_under(root: str | os.PathLike[str]) -> list[str]:

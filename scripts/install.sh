@@ -31,8 +31,18 @@ for arg in "$@"; do
 done
 .venv/bin/python -m pip install -q -e ".${extras}"
 if [ "$system" = 1 ]; then
-  # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work.
+  # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work; the
+  # umount(8) helper, so `umount DIR` returns once the daemon has closed the pool. umount(8)
+  # finds it as umount.fuse for an absolute DIR (its type from statfs(2) is just "fuse"); that
+  # name passes other FUSE filesystems on to umount(8) itself, and is not taken from another.
   ln -sf "$PWD/.venv/bin/rpmemfs" /usr/local/bin/rpmemfs
   install -m 755 mount/mount.rpmemfs /sbin/mount.fuse.rpmemfs
+  install -m 755 mount/umount.rpmemfs /sbin/umount.fuse.rpmemfs
+  if [ ! -e /sbin/umount.fuse ] || grep -q "umount(8) helper (rpmemfs)" /sbin/umount.fuse; then
+    install -m 755 mount/umount.rpmemfs /sbin/umount.fuse
+  else
+    echo "/sbin/umount.fuse is not ours: left alone; umount of an absolute path to an rpmemfs" \
+         "mount will not wait for its daemon (rpmemfs umount does)" >&2
+  fi
 fi
 .venv/bin/python -c "import rpmemfs.native as n; print('rpmemfs installed; cache flush:', n.flush_kind(), '; crc32c in hardware:', n.crc32c_hw())"

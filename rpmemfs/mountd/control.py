@@ -1,9 +1,15 @@
 """The mount daemon's control socket: `rpmemfs status` asks it, whatever the mount options.
 
 One Unix socket per mount, named after the mountpoint, in a directory only root (or the
-user) can write. The protocol is a line in ("status", "verify [CHUNK]", "sync", "flush"), JSON lines
-back: any number of progress lines ({"progress": bytes done, "total": bytes}) for long
-requests, then the answer.
+user) can write. The protocol is a line in ("status", "verify [CHUNK]", "sync", "flush",
+"umount"), JSON
+lines back: any number of progress lines ({"progress": bytes done, "total": bytes}) for long
+requests, then the answer. `umount` answers twice: once the kernel let go of the mountpoint,
+and once more when the pool is closed; the connection ends when the daemon has exited.
+
+The clients are other processes that may die, hang, or send anything at any moment: nothing
+one of them does ends more than its own request. A client that goes away stops the lines
+sent to it; the work it asked for is the daemon's and runs to its end.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -21,6 +28,11 @@ import trio
 
 log = logging.getLogger("rpmemfs.mountd.control")
 MAX_REQUEST = 256
+REQUEST_SECONDS = 5.0  # a client that has not sent its request line by then gets no more time
+# A line to a client that does not read for this long ends its connection: a send is never
+# cut short by a cancellation (a half line would garble what follows), so this bounds it.
+SEND_SECONDS = 10.0
+_CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 def socket_dir() -> str:
@@ -29,14 +41,77 @@ def socket_dir() -> str:
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"rpmemfs-{os.geteuid()}")
 
 
-def socket_path(mountpoint: str) -> str:
-    key = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:20]
+def socket_path(mountpoint: str, *, resolved: bool = False) -> str:
+    """The socket of the daemon serving ``mountpoint``. ``resolved``: the path is the kernel's
+    own (from the mount table) and is not resolved again, which would stat the mount itself
+    and hang on a daemon that does not answer."""
+    path = mountpoint if resolved else os.path.realpath(mountpoint)
+    key = hashlib.sha256(path.encode()).hexdigest()[:20]
     return os.path.join(socket_dir(), key + ".sock")
 
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-# A request's handler: its argument words and a way to send progress lines; the answer.
+class Asker:
+    """The client of one request, as its handler sees it: ``await send(doc)`` sends it a line.
+
+    Sending never raises: once the client is gone (it closed, died, or stopped reading for
+    SEND_SECONDS) ``gone`` is True and further lines are dropped.
+    """
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._lock = trio.Lock()  # lines from concurrent senders (a ticker, the answer) never interleave
+        self.gone = False
+
+    async def __call__(self, doc: dict[str, Any]) -> None:
+        if self.gone:
+            return
+        line = json.dumps(doc).encode() + b"\n"
+        async with self._lock:
+            if self.gone:
+                return
+            with trio.move_on_after(SEND_SECONDS) as scope:
+                scope.shield = True
+                try:
+                    await self._stream.send_all(line)
+                except _CLIENT_GONE as exc:
+                    log.info("control client went away: %s", exc)
+                    self.gone = True
+            if scope.cancelled_caught:
+                log.info("control client does not read; dropping it")
+                self.gone = True
+
+    def present(self) -> bool:
+        """Whether the client is still there: it has not closed its connection (a client that
+        gave up waiting must not have its request carried out after it said it was not). One
+        that only shut down its sending side is still there."""
+        if self.gone:
+            return False
+        p = select.poll()
+        p.register(self._stream.socket.fileno(), select.POLLHUP)
+        return not p.poll(0)
+
+    def hold(self) -> int:
+        """A second descriptor of the connection, for a line after the event loop has ended
+        (tell_held). It is never closed: the client sees the connection end when this process
+        has exited."""
+        return os.dup(self._stream.socket.fileno())
+
+
+# A request's handler gets its argument words and the asker (progress lines go through it);
+# it returns the answer.
+Send = Asker
 Handler = Callable[[list[str], Send], Awaitable[dict[str, Any]]]
+
+
+def tell_held(fds: list[int], doc: dict[str, Any]) -> None:
+    """One last line to each connection kept by Asker.hold, without blocking on any."""
+    line = json.dumps(doc).encode() + b"\n"
+    for fd in fds:
+        try:
+            os.set_blocking(fd, False)
+            os.write(fd, line)
+        except OSError:
+            pass  # that client is gone; nobody is waiting there
 
 
 async def serve(path: str, handlers: Mapping[str, Handler],
@@ -61,37 +136,56 @@ async def serve(path: str, handlers: Mapping[str, Handler],
             os.unlink(path)
 
 
+async def _read_request(stream: trio.SocketStream) -> bytes:
+    request = b""
+    with trio.move_on_after(REQUEST_SECONDS):
+        while b"\n" not in request and len(request) < MAX_REQUEST:
+            chunk = await stream.receive_some(MAX_REQUEST)
+            if not chunk:
+                break
+            request += chunk
+    return request.partition(b"\n")[0]
+
+
 async def _answer(stream: trio.SocketStream, handlers: Mapping[str, Handler]) -> None:
-    async with stream:
-        request = b""
-        with trio.move_on_after(5):
-            while b"\n" not in request and len(request) < MAX_REQUEST:
-                chunk = await stream.receive_some(MAX_REQUEST)
-                if not chunk:
-                    break
-                request += chunk
+    """One connection: its request, the handler's lines, the answer. Whatever the client does
+    (garbage, nothing, gone at any point) and whatever the handler raises ends here; only
+    a cancellation (the daemon is stopping) goes on."""
+    asker = Asker(stream)
+    try:
+        async with stream:
+            request = await _read_request(stream)
+            words = request.decode(errors="replace").split()
+            handler = handlers.get(words[0]) if words else None
+            if handler is None:
+                log.info("control socket: unknown request %r", request[:40])
+                await asker({"error": "unknown request" if words else "no request"})
+                return
+            try:
+                answer = await handler(words[1:], asker)
+            except Exception as exc:  # a bug behind one request must not end the daemon
+                log.exception("control request %r failed", words[0])
+                answer = {"error": f"internal error in {words[0]}: {exc!r}"}
+            await asker(answer)
+    except _CLIENT_GONE as exc:
+        log.info("control client went away: %s", exc)
 
-        async def send(doc: dict[str, Any]) -> None:
-            await stream.send_all(json.dumps(doc).encode() + b"\n")
 
-        words = request.decode(errors="replace").split()
-        handler = handlers.get(words[0]) if words else None
-        if handler is None:
-            log.info("control socket: unknown request %r", request[:40])
-            await send({"error": "unknown request"})
-            return
-        try:
-            await send(await handler(words[1:], send))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the asker went away; what it asked for was done anyway
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def query(mountpoint: str, request: str = "status", timeout: float | None = 10.0,
           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Ask the daemon serving mountpoint; OSError when none answers."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(socket_path(mountpoint))
+    with _connect(socket_path(mountpoint), timeout) as s:
         s.sendall(request.encode() + b"\n")
         with s.makefile("rb") as f:
             for line in f:
@@ -102,3 +196,63 @@ def query(mountpoint: str, request: str = "status", timeout: float | None = 10.0
                     continue
                 return doc  # type: ignore[no-any-return]
     raise OSError(f"the daemon serving {mountpoint} closed the control socket without an answer")
+
+
+EXIT_WAIT = 60.0  # after its last line the daemon only has to end its process
+
+
+def unmount(point: str, timeout: float | None) -> dict[str, Any]:
+    """Ask the daemon serving the mount at ``point`` (the kernel's path for it) to unmount,
+    and wait until it has exited.
+
+    The answer is the daemon's refusal ({"error": ...}: busy, say; it stays mounted), or its
+    last word, {"closed": bool, "clean": bool, ...} (closed False: it exited without saying
+    the pool is closed, or did not exit; "error" says more). OSError (or ValueError for what
+    is not an answer) when no daemon answers within ``timeout``: nothing was done then.
+    """
+    with _connect(socket_path(point, resolved=True), timeout) as s:
+        s.sendall(b"umount\n")
+        with s.makefile("rb") as f:
+            first = f.readline()
+            if not first:
+                raise OSError("the daemon closed the control socket without an answer")
+            doc = json.loads(first)
+            if not isinstance(doc, dict):
+                raise ValueError(f"unexpected answer {first[:80]!r}")
+            if "error" in doc:
+                return doc
+            pid = doc.get("pid")
+            last: dict[str, Any] = {"closed": False, "clean": False}
+            # The kernel has let go; closing the pool takes the last durability point, which
+            # is bounded by the replicas' timeout, not by ours.
+            s.settimeout(None)
+            try:
+                for line in [first, *f]:
+                    got = json.loads(line)
+                    if isinstance(got, dict) and "closed" in got:
+                        last = got
+            except (OSError, ValueError) as e:
+                return {**last, "closed": False, "error": f"its last word was lost: {e}"}
+            # The connection ends when the daemon's process does: its last word may come
+            # just before.
+    if isinstance(pid, int):
+        try:
+            _wait_exit(pid, EXIT_WAIT)
+        except OSError as e:
+            return {**last, "closed": False, "error": str(e)}
+    return last
+
+
+def _wait_exit(pid: int, timeout: float) -> None:
+    """Wait until process ``pid`` has exited (it is not our child); OSError if it has not
+    within ``timeout``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            raise OSError(f"the daemon (pid {pid}) has not exited {timeout:g} s after closing its pool")
+    finally:
+        os.close(fd)

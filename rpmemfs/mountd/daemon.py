@@ -1,12 +1,11 @@
-"""The mount daemon: opens the pool, mounts it with FUSE, serves until unmounted or signalled."""
+"""The mount daemon: opens the pool, mounts it with FUSE, serves until unmounted or signalled
+(how a mount ends, and `rpmemfs umount` waits for it: unmount.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import secrets
-import signal
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -16,13 +15,13 @@ from typing import Any
 import pyfuse3
 import trio
 
-from rpmemfs import logs
 from rpmemfs.durability import Committer, Durability, DurabilityError, StaleTable
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
-from rpmemfs.mountd.options import MountOptions, parse_options
+from rpmemfs.mountd.options import MountOptions
+from rpmemfs.mountd.unmount import Ending
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import write_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch, show_epoch
@@ -39,6 +38,9 @@ log = logging.getLogger("rpmemfs.mount")
 
 class Mounted:
     """A pool opened and served at a mountpoint."""
+
+    ending: Ending | None = None  # how the mount ends: serve() makes it, before mounting
+    _syncing: trio.Lock | None = None  # held by the `rpmemfs sync` under way
 
     def __init__(self, pool: str, mountpoint: str, mo: MountOptions) -> None:
         self.mo = mo
@@ -262,7 +264,9 @@ class Mounted:
         async def status(args: list[str], send: control.Send) -> dict[str, Any]:
             return self.describe()
 
-        return {"status": status, "verify": self._verify, "sync": self._sync, "flush": self._flush}
+        assert self.ending is not None
+        return {"status": status, "verify": self._verify, "sync": self._sync,
+                "umount": self.ending.umount, "flush": self._flush}
 
     async def _flush(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs flush MOUNTPOINT`: a durability point now, local and on the replicas (what
@@ -281,22 +285,34 @@ class Mounted:
     async def _with_progress(self, total: int, send: control.Send,
                              work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]
                              ) -> dict[str, Any]:
-        """Run ``work`` while progress lines go to the asker twice a second."""
+        """Run ``work`` while progress lines go to the asker twice a second.
+
+        The work is the daemon's once started: an asker that goes away (killed, say) only
+        stops the lines, and the work runs to its end. Cancelling it halfway would lose the
+        replica's connection in the middle of a request (transport/conn.py) with the replica
+        still counted in sync; only the end of the mount cancels it (see _sync)."""
         done = [0]
+        finished = trio.Event()
 
         def count(n: int) -> None:
             done[0] += n
 
         async def ticker() -> None:
-            while True:
-                await trio.sleep(0.5)
+            # Sends are never cancelled (a half line would garble the answer after it), so
+            # this ends between them, when the work has.
+            while not send.gone:
+                with trio.move_on_after(0.5):
+                    await finished.wait()
+                if finished.is_set():
+                    return
                 await send({"progress": done[0], "total": total})
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ticker)
-            result = await work(count)
-            nursery.cancel_scope.cancel()
-        return result
+            try:
+                return await work(count)
+            finally:
+                finished.set()
 
     async def _verify(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs verify MOUNTPOINT`: the live pool against every replica."""
@@ -326,8 +342,18 @@ class Mounted:
         if rs is None:
             return {"error": f"{self.pool} has no replicas to sync"}
         t0 = time.monotonic()
+        if self._syncing is None:
+            self._syncing = trio.Lock()
+        syncing = self._syncing
 
         async def work(count: Callable[[int], None]) -> dict[str, Any]:
+            # One at a time: two repairs of one replica would share its progress record and
+            # its bulk lane. A second sync (its asker's first one was killed while the work
+            # went on, say) starts when the first ends.
+            async with syncing:
+                return await repair_all(count)
+
+        async def repair_all(count: Callable[[int], None]) -> dict[str, Any]:
             results: list[dict[str, Any]] = []
             for r in rs.replicas:
                 entry: dict[str, Any] = {"replica": str(r.spec), "state": r.state}
@@ -335,8 +361,16 @@ class Mounted:
                     try:
                         entry.update(await rs.repair(r, count))
                     except (TransportError, trio.TooSlowError) as exc:
+                        # The differences it found are not in the sync map: without this its
+                        # resync would send only what barriers missed, and leave them.
+                        self.syncmap.set_full(r.slot)
                         entry["error"] = f"repair failed, the replica is stale now: {exc}"
                         self.durability.note_replicas()
+                    except trio.Cancelled:
+                        # The mount is ending halfway through the repair: some differing
+                        # chunks went, some did not, and only a full comparison knows which.
+                        self.syncmap.set_full(r.slot)
+                        raise
                 else:
                     self.syncmap.set_full(r.slot)
                     entry["error"] = (f"not in sync ({r.state}: {r.last_error}); it is compared in "
@@ -352,10 +386,12 @@ class Mounted:
         await self.connect_replicas()
         self._ops = Operations(self.fs, self.durability, self.describe, xattrs=self.mo.xattrs,
                                poll_us=self.mo.poll_us, writeback_cache=self.mo.writeback_cache)
+        self.ending = ending = Ending(self.mountpoint, self.pool)
         self.start()
         ready()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._signals, nursery.cancel_scope)
+            nursery.start_soon(ending.signals, pyfuse3.terminate)
+            nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:
                 nursery.start_soon(self.replicas.keep, self.durability.note_replicas)
@@ -381,79 +417,34 @@ class Mounted:
         if self.replicas is not None:
             await self.replicas.aclose()
 
-    async def _signals(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            async for sig in sigs:
-                log.info("signal %s: unmounting", signal.Signals(sig).name)
-                pyfuse3.terminate()
-                return
-
     def finish(self) -> None:
         if self._mounted:
             self._populated.set()  # stop the populate thread before the mapping goes away
             self._populator.join()
+        last: dict[str, Any] = {"closed": True, "clean": False, "pool": self.pool}
         try:
-            if self._ops is not None:  # a mount refused before serving leaves the pool as it was
+            served = self._ops is not None  # a mount refused before serving leaves the pool as it was
+            if served:
                 self.durability.sync_local()  # replicas were served by _last_barrier, if at all
-                if self.clean or not self.specs:
-                    self.syncmap.finish()
+            if served and (self.clean or not self.specs):
+                self.syncmap.finish()
+                last["clean"] = True
+            elif not served:
+                last["error"] = "the mount was refused before it served; the pool is as it was"
+            else:
+                last["error"] = ("the last durability point did not reach the replicas it needed "
+                                 "(see the daemon's log); the next mount compares them in full")
+        except Exception as e:
+            last["error"] = f"the pool could not be made durable: {e}"
+            raise
         finally:
             if self._mounted:
-                pyfuse3.close(unmount=True)
+                # Once detached, the path may be someone else's mount point already: closing
+                # /dev/fuse is what ends the mount (and whatever still had files open there).
+                pyfuse3.close(unmount=self.ending is None or not self.ending.detached)
             try:
                 self.mapping.close()
             except BufferError:
                 pass  # a view survived a failure; the process exits and unmaps anyway
-
-
-def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
-    mo = parse_options(opts)
-    logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
-    if foreground:
-        m = Mounted(pool, mountpoint, mo)
-        try:
-            trio.run(m.serve)
-        finally:
-            m.finish()
-        return 0
-    return _daemonize(pool, mountpoint, mo)
-
-
-def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
-    """Fork; the parent returns once the child has mounted (or says why it could not)."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(wfd)
-        with os.fdopen(rfd, "rb") as r:
-            msg = r.read().decode(errors="replace")
-        if msg == "ok":
-            return 0
-        sys.stderr.write(f"rpmemfs: {msg or 'mount daemon died while starting'}\n")
-        return 1
-    os.close(rfd)
-    os.setsid()
-    code = 1
-    try:
-        try:
-            m = Mounted(pool, mountpoint, mo)
-        except MountError as e:
-            os.write(wfd, str(e).encode())
-            os._exit(1)
-
-        def ready() -> None:
-            os.write(wfd, b"ok")
-            os.close(wfd)
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1) if mo.log_file else (0, 1, 2):
-                os.dup2(devnull, fd)
-
-        try:
-            trio.run(m.serve, ready)
-            code = 0
-        except MountError as e:
-            os.write(wfd, str(e).encode())
-        finally:
-            m.finish()
-    finally:
-        os._exit(code)
+            if self.ending is not None:
+                self.ending.tell(last)

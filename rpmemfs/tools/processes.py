@@ -8,9 +8,11 @@ them down again whatever happened in between; this module is where that is done,
   prints its listening line.
 - MountProcess: a FUSE daemon in the foreground (`rpmemfs mount -f`, or the benchmark's
   pass-through); it is ready when the kernel lists the mount point and a stat of it answers,
-  and a SIGTERM or SIGINT unmounts cleanly (exit 0). kill() is SIGKILL, for crash tests: the
+  and a SIGTERM or SIGINT unmounts cleanly (exit 0): at once when no file is open there, else
+  when the last one is closed, or at a second signal. kill() is SIGKILL, for crash tests: the
   dead mount stays attached until detach().
-- detach(), unmount(), detach_all_under(): mounts whose daemon is gone or not ours.
+- detach(), unmount(), detach_all_under(): mounts whose daemon is gone or not ours; unmount()
+  of an rpmemfs mount returns once its daemon has closed the pool and exited.
 
 Every child runs this interpreter with this checkout first on its path (child_env), so the
 venv's pyfuse3 and this rpmemfs are the ones used whatever the child's working directory.
@@ -32,7 +34,8 @@ from typing import IO, Self
 
 import rpmemfs
 from rpmemfs.errors import RpmemfsError
-from rpmemfs.mountinfo import is_mounted, mounts_under
+from rpmemfs.mountd.unmount import kernel_path
+from rpmemfs.mountinfo import is_mounted, mount_at, mounts_under
 
 READY_PREFIX = "rpmemfs target listening on "
 # The repository root (or site-packages), put first on a child's path.
@@ -254,9 +257,17 @@ def wait_unmounted(path: PathLike, timeout: float) -> bool:
 
 
 def unmount(path: PathLike, timeout: float = 30.0) -> bool:
-    """Unmount a background daemon's mount the way umount(8) would (the daemon persists and
-    exits), detaching it lazily if that does not finish within ``timeout``."""
-    _quietly("fusermount3", "-u", os.fspath(path), timeout=timeout)
+    """Unmount a background daemon's mount the way umount(8) would: for an rpmemfs mount
+    `rpmemfs umount`, which returns once the daemon has closed the pool and exited; detached
+    lazily if that does not finish within ``timeout``."""
+    entry = mount_at(kernel_path(os.fspath(path)))
+    if entry is not None and entry.fstype == "fuse.rpmemfs":
+        try:
+            run_rpmemfs("umount", path, check=False, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    else:
+        _quietly("fusermount3", "-u", os.fspath(path), timeout=timeout)
     return wait_unmounted(path, timeout) or detach(path)
 
 
@@ -375,16 +386,20 @@ class MountProcess:
             self.proc.wait(30)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
-        """Best effort, never raises: SIGTERM and wait; then SIGKILL and a lazy detach; and
-        nothing left mounted. The exit status, None if the process would not die (or was
-        never started: then the mount point is not ours to touch)."""
+        """Best effort, never raises: SIGTERM and wait; SIGTERM again (an rpmemfs daemon then
+        stops serving files still open) and wait; then SIGKILL and a lazy detach; and nothing
+        left mounted. The exit status, None if the process would not die (or was never
+        started: then the mount point is not ours to touch)."""
         if self.proc is None:
             return None
         rc: int | None = None
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            rc = self.wait(timeout)
+            for _ in range(2):
+                if self.proc.poll() is None:
+                    self.proc.send_signal(signal.SIGTERM)
+                rc = self.wait(timeout / 2)
+                if rc is not None:
+                    break
             if rc is None:
                 self.proc.kill()
                 # A daemon blocked on its own mount finishes dying once the mount is detached.
