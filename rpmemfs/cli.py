@@ -21,13 +21,16 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rpmemfs import logs
 from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.errors import RpmemfsError
 from rpmemfs.progress import ProgressBar
 from rpmemfs.units import human, parse_size
+
+if TYPE_CHECKING:
+    from rpmemfs.replica.spec import ReplicaSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "warning"
@@ -289,19 +292,25 @@ def cmd_sync(args: argparse.Namespace) -> int:
     return 0 if result.get("clean") else 1
 
 
+def _from_replica(args: argparse.Namespace, doing: str) -> tuple[ReplicaSpec, bytes | None]:
+    """The --from replica of recover and promote, and the token, once the pool is known not
+    to be mounted."""
+    from rpmemfs.replica.spec import ReplicaSpec
+
+    if _mounted_from(args.pool):
+        raise CliError(f"pool {args.pool} is mounted; unmount it before {doing}")
+    try:
+        return ReplicaSpec.parse(args.source), _token(args.token_file)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_recover(args: argparse.Namespace) -> int:
     import trio
 
     from rpmemfs.replica.repair import recover_pool
-    from rpmemfs.replica.spec import ReplicaSpec
 
-    if _mounted_from(args.pool):
-        raise CliError(f"pool {args.pool} is mounted; unmount it before replacing it")
-    try:
-        source = ReplicaSpec.parse(args.source)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    token = _token(args.token_file)
+    source, token = _from_replica(args, "replacing it")
     result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
                                            progress=_progress("recover")))
     if args.json:
@@ -316,15 +325,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     import trio
 
     from rpmemfs.replica.promote import promote_pool
-    from rpmemfs.replica.spec import ReplicaSpec
 
-    if _mounted_from(args.pool):
-        raise CliError(f"pool {args.pool} is mounted; unmount it before promoting onto it")
-    try:
-        source = ReplicaSpec.parse(args.source)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    token = _token(args.token_file)
+    source, token = _from_replica(args, "promoting onto it")
     result = trio.run(lambda: promote_pool(args.pool, source, token, force=args.force,
                                            progress=_progress("promote")))
     if args.json:
@@ -341,30 +343,27 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pools(args: argparse.Namespace) -> int:
-    import trio
-
-    from rpmemfs.target.admin import ask, format_pools
-
-    try:
-        reply = trio.run(ask, args.address, _token(args.token_file), {"op": "pools"}, args.timeout)
-    except ValueError as e:
-        raise CliError(f"{args.address}: {e}") from None
-    pools = reply.get("pools", {})
-    print(json.dumps(pools, indent=2) if args.json else format_pools(args.address, pools))
-    return 0
-
-
-def cmd_evict(args: argparse.Namespace) -> int:
+def _ask_target(args: argparse.Namespace, request: dict[str, object]) -> dict[str, Any]:
     import trio
 
     from rpmemfs.target.admin import ask
 
     try:
-        reply = trio.run(ask, args.address, _token(args.token_file), {"op": "evict", "name": args.name},
-                         args.timeout)
+        return trio.run(ask, args.address, _token(args.token_file), request, args.timeout)
     except ValueError as e:
         raise CliError(f"{args.address}: {e}") from None
+
+
+def cmd_pools(args: argparse.Namespace) -> int:
+    from rpmemfs.target.admin import format_pools
+
+    pools = _ask_target(args, {"op": "pools"}).get("pools", {})
+    print(json.dumps(pools, indent=2) if args.json else format_pools(args.address, pools))
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    reply = _ask_target(args, {"op": "evict", "name": args.name})
     print(f"evicted the writing session of {args.name} on {args.address} (peer {reply.get('evicted')})")
     return 0
 

@@ -141,10 +141,9 @@ class ControlService:
             owner = Owner(header_epoch)
         return owner
 
-    def _probe(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Who owns a pool, without opening it: what a mount asks every replica before it
-        claims any (so that a refused mount changes no epoch anywhere)."""
-        name = check_name(request.get("name"))
+    def _ownership(self, name: str) -> dict[str, Any]:
+        """What the target knows of pool ``name`` without mapping it: size, uuid, owner,
+        writer. PoolNameError when there is no such pool."""
         path = pool_path(self._store.pool_dir, name, must_exist=True)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -155,35 +154,26 @@ class ControlService:
         hdr = find_header(memoryview(head))
         owner = self._owner(name, hdr.epoch if hdr else None)
         writer = self._writers.get(name)
-        return {"ok": True, "name": name, "size": size, "uuid": hdr.uuid.hex() if hdr else None,
+        return {"size": size, "uuid": hdr.uuid.hex() if hdr else None,
                 "owner": owner.as_dict() if owner else None, "writer": writer[0].peer if writer else None}
+
+    def _probe(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Who owns a pool, without opening it: what a mount asks every replica before it
+        claims any (so that a refused mount changes no epoch anywhere)."""
+        name = check_name(request.get("name"))
+        return {"ok": True, "name": name, **self._ownership(name)}
 
     def _pools(self) -> dict[str, Any]:
         """Every pool in the directory: size, owner, writer, sessions, activity, counters."""
         out: dict[str, Any] = {}
-        pool_dir = self._store.pool_dir
-        for name in sorted(os.listdir(pool_dir)):
+        for name in sorted(os.listdir(self._store.pool_dir)):
             try:
-                path = pool_path(pool_dir, name, must_exist=True)
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                entry = self._ownership(name)
             except (PoolNameError, OSError):
                 continue  # not a pool: owner records, temporary files, anything else
-            try:
-                head = os.pread(fd, 2 * BLOCK, 0)
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            hdr = find_header(memoryview(head))
-            owner = self._owner(name, hdr.epoch if hdr else None)
-            writer = self._writers.get(name)
-            out[name] = {
-                "size": size,
-                "owner": owner.as_dict() if owner else None,
-                "writer": writer[0].peer if writer else None,
-                "sessions": self._sessions.holding(name),
-                "last_activity": self.activity.get(name),
-                **self._store.stats(name)[name],
-            }
+            entry.pop("uuid")
+            out[name] = {**entry, "sessions": self._sessions.holding(name),
+                         "last_activity": self.activity.get(name), **self._store.stats(name)[name]}
         return out
 
     def _evict(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:

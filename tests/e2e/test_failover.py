@@ -53,6 +53,21 @@ def _failover(work_dir: Path, targets: list[TargetProcess], mount_pool: MountPoo
     return pool, new, acked
 
 
+def _fsync_fails(path: Path) -> None:
+    """A write and fsync there: the fsync must fail with EIO (a fenced primary's)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * 5000)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            assert e.errno == errno.EIO
+        else:
+            raise AssertionError("the fenced primary's fsync returned 0")
+    finally:
+        os.close(fd)
+
+
 def _refused(mount_pool: MountPool, pool: Path, name: str, options: str = OPTS) -> str:
     return mount_pool(pool, name=name, options=options, start=False).start_expect_failure()
 
@@ -104,16 +119,7 @@ def test_a_running_old_primary_is_fenced_when_the_new_one_claims_its_replicas(
     assert cli("recover", new, "--from", f"{targets[0].address}/app").returncode == 0
     q = mount_pool(new, name="q", options=OPTS)
     # A's writes no longer reach either replica: its fsync fails (min_replicas is all) ...
-    fd = os.open(a.path / "late", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, b"x" * 5000)
-        try:
-            os.fsync(fd)
-            raise AssertionError("the fenced primary's fsync returned 0")
-        except OSError as e:
-            assert e.errno == errno.EIO
-    finally:
-        os.close(fd)
+    _fsync_fails(a.path / "late")
     # ... and keeps failing: its reconnects are refused, naming the new owner.
     assert wait_until(lambda: all("taken over" in (r.get("last_error") or "")
                                   for r in status_json(a.path)["replicas"]), timeout=20), \
@@ -335,16 +341,7 @@ def test_mount_takeover_fences_the_newer_owner_and_wins_the_replicas(
     # The operator decides A's copy wins after all.
     back = mount_pool(pool, name="back", options=OPTS + ",takeover")
     assert [r["state"] for r in status_json(back.path)["replicas"]] == ["in-sync", "in-sync"]
-    fd = os.open(q.path / "late", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, b"x" * 5000)
-        try:
-            os.fsync(fd)
-            raise AssertionError("the fenced primary's fsync returned 0")
-        except OSError as e:
-            assert e.errno == errno.EIO
-    finally:
-        os.close(fd)
+    _fsync_fails(q.path / "late")
     write_fsync(back.path / "b", b"b" * 9000)
     assert not (back.path / "q").exists()
     back.unmount()
