@@ -32,9 +32,9 @@ import trio
 
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import read_header, write_header
-from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError, show_epoch
+from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
 from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
-from rpmemfs.replica.repair import READ_STEP, RepairError, create_file, mark_others_full
+from rpmemfs.replica.repair import RepairError, create_file, mark_others_full, read_runs, source_header
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import chunk_of, count_chunks, differing_chunks
@@ -78,12 +78,7 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         async with await transport_for(source.transport).connect(
                 source.address, token, lanes=1, timeout=timeout) as peek:
             region = await peek.open_pool(source.name)
-            with trio.fail_after(timeout):
-                head = await peek.lanes[0].read(region, 0, 2 * BLOCK)
-        try:
-            hdr, _ = read_header(memoryview(head))
-        except PoolFormatError as exc:
-            raise RepairError(f"replica {source} holds no usable pool: {exc}") from None
+            hdr, head = await source_header(peek.lanes[0], region, source, timeout)
         table = inspect_table(memoryview(head))
         specs = table.replicas or [source]
         if str(source) not in {str(s) for s in specs}:
@@ -170,7 +165,6 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
                      progress: Progress | None, timeout: float) -> tuple[int, int, int]:
     limit = hdr.map_off
     chunk = chunk_of(hdr)  # the unit verify and sync count in too
-    lane = session.lanes[0]
     with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
         buf = mapping.buf
         if incremental:
@@ -179,16 +173,7 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
         else:
             runs = [(0, limit)]
         before = count_chunks(runs, chunk) if incremental else 0
-        total = sum(n for _, n in runs)
-        done = 0
-        for first, n in runs:
-            for off in range(first, first + n, READ_STEP):
-                k = min(READ_STEP, first + n - off)
-                with trio.fail_after(timeout):
-                    buf[off: off + k] = await lane.read(region, off, k)
-                done += k
-                if progress:
-                    progress(done, total)
+        total = await read_runs(session.lanes[0], region, buf, runs, timeout, progress)
         mapping.persist(runs)
         compared, differing = await differing_chunks(session, region, buf, [(0, limit)], chunk,
                                                      lambda n: None, timeout)

@@ -30,7 +30,7 @@ from rpmemfs.replica.replica_set import ReplicaSet
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import chunk_of, differing_chunks
-from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, Lane, RemoteRegion, TransportError
 from rpmemfs.transport.choose import transport_for
 
 READ_STEP = 4 << 20  # bytes per read while recovering
@@ -130,6 +130,39 @@ def create_file(path: str, size: int, force: bool) -> int:
     return fd
 
 
+async def source_header(lane: Lane, region: RemoteRegion, source: ReplicaSpec,
+                        timeout: float) -> tuple[Header, bytes]:
+    """The header of the pool a replica holds (and both header blocks, which carry the replica
+    table too); RepairError when it holds no usable pool."""
+    with trio.fail_after(timeout):
+        head = await lane.read(region, 0, 2 * BLOCK)
+    try:
+        hdr, _ = read_header(memoryview(head))
+    except PoolFormatError as exc:
+        raise RepairError(f"replica {source} holds no usable pool: {exc}") from None
+    if hdr.pool_size != region.size:
+        raise RepairError(f"replica {source}: header says {hdr.pool_size} bytes, the pool "
+                          f"file is {region.size}")
+    return hdr, head
+
+
+async def read_runs(lane: Lane, region: RemoteRegion, buf: memoryview, runs: list[tuple[int, int]],
+                    timeout: float, progress: Callable[[int, int], None] | None) -> int:
+    """Copy ``runs`` of the remote pool into ``buf`` at the same offsets, READ_STEP bytes per
+    read, each within ``timeout``; the bytes copied."""
+    total = sum(n for _, n in runs)
+    done = 0
+    for first, n in runs:
+        for off in range(first, first + n, READ_STEP):
+            k = min(READ_STEP, first + n - off)
+            with trio.fail_after(timeout):
+                buf[off: off + k] = await lane.read(region, off, k)
+            done += k
+            if progress:
+                progress(done, total)
+    return total
+
+
 async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
                        progress: Callable[[int, int], None] | None = None,
                        timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
@@ -140,28 +173,14 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
                 source.address, token, lanes=1, timeout=timeout) as session:
             region = await session.open_pool(source.name)
             lane = session.lanes[0]
-            with trio.fail_after(timeout):
-                head = await lane.read(region, 0, 2 * BLOCK)
-            try:
-                hdr, _ = read_header(memoryview(head))
-            except PoolFormatError as exc:
-                raise RepairError(f"replica {source} holds no usable pool: {exc}") from None
-            if hdr.pool_size != region.size:
-                raise RepairError(f"replica {source}: header says {hdr.pool_size} bytes, the pool "
-                                  f"file is {region.size}")
+            hdr, _ = await source_header(lane, region, source, timeout)
             fd = create_file(pool, hdr.pool_size, force)
             os.close(fd)
             done = False
             try:
                 with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
                     buf = mapping.buf
-                    limit = hdr.map_off
-                    for off in range(0, limit, READ_STEP):
-                        n = min(READ_STEP, limit - off)
-                        with trio.fail_after(timeout):
-                            buf[off : off + n] = await lane.read(region, off, n)
-                        if progress:
-                            progress(off + n, limit)
+                    limit = await read_runs(lane, region, buf, [(0, hdr.map_off)], timeout, progress)
                     mark_others_full(mapping, hdr, source)
                     mapping.persist([(0, hdr.pool_size)])
                     compared, differing = await differing_chunks(
