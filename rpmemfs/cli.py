@@ -312,6 +312,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     source, token = _from_replica(args, "replacing it")
     result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
+                                           unfinished_resync=args.unfinished_resync,
                                            progress=_progress("recover")))
     if args.json:
         print(json.dumps(result, indent=2))
@@ -328,6 +329,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
     source, token = _from_replica(args, "promoting onto it")
     result = trio.run(lambda: promote_pool(args.pool, source, token, force=args.force,
+                                           unfinished_resync=args.unfinished_resync,
                                            progress=_progress("promote")))
     if args.json:
         print(json.dumps(result, indent=2))
@@ -446,6 +448,12 @@ def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
                         "before or after the command")
 
 
+def _unfinished_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--unfinished-resync", action="store_true",
+                   help="take the source even though its target says a resync of it was cut "
+                        "short (its content mixes two points in time)")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="rpmemfs", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -514,6 +522,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--from", dest="source", required=True, metavar="HOST:PORT/NAME")
     s.add_argument("--token-file", help="token for the target")
     s.add_argument("--force", action="store_true", help="replace an existing file")
+    _unfinished_option(s)
     s.add_argument("--json", action="store_true")
 
     s = command("promote", cmd_promote, "failover: make a new primary from a replica and fence the old one")
@@ -522,6 +531,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--token-file", help="token for the targets")
     s.add_argument("--force", action="store_true",
                    help="replace an existing file that is not a copy of the pool")
+    _unfinished_option(s)
     s.add_argument("--json", action="store_true")
 
     s = command("pools", cmd_pools, "a target's pools: owner, epoch, writer, sessions, last activity")

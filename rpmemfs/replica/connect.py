@@ -53,8 +53,10 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
         with trio.fail_after(timeout):
             session = await tp.connect(spec.address, token, lanes=lanes, timeout=timeout)
             if epoch is not None:
-                problem = _check_probe(read_probe(spec, await session.probe_pool(spec.name)),
-                                       size, uuid, epoch, takeover)
+                probe = read_probe(spec, await session.probe_pool(spec.name))
+                problem = _check_probe(probe, size, uuid, epoch, takeover)
+                replica.resync_marked = probe.resync is not None
+            replica.claimed = epoch is not None
             if problem is None:
                 region = await session.open_pool(spec.name, epoch, holder=holder, takeover=takeover)
                 problem = await _check(spec, session, region, size, uuid)

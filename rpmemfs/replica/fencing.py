@@ -41,6 +41,8 @@ class Probe:
     size: int | None = None
     uuid: bytes | None = None
     writer: str | None = None  # the peer of the session writing it now, if any
+    # Set when a resync of it began and did not end (see target/owners.py): says by whom, when.
+    resync: str | None = None
     error: str | None = None
 
     def newer_than(self, prev: int) -> bool:
@@ -73,6 +75,8 @@ def read_probe(spec: ReplicaSpec, reply: Mapping[str, Any]) -> Probe:
     if isinstance(owner, dict) and isinstance(owner.get("epoch"), int):
         p.epoch = owner["epoch"]
         p.owner = str(owner.get("described") or "")
+        if owner.get("resync") is not None:
+            p.resync = str(owner.get("resync_described") or "a resync began and did not end")
     if isinstance(reply.get("size"), int):
         p.size = reply["size"]
     raw_uuid = reply.get("uuid")

@@ -34,7 +34,14 @@ from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import read_header, write_header
 from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
 from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
-from rpmemfs.replica.repair import RepairError, create_file, mark_others_full, read_runs, source_header
+from rpmemfs.replica.repair import (
+    RepairError,
+    create_file,
+    mark_others_full,
+    read_runs,
+    refuse_unfinished,
+    source_header,
+)
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import chunk_of, count_chunks, differing_chunks
@@ -66,7 +73,7 @@ def _same_pool(path: str, hdr: Header) -> bool:
 
 
 async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
-                       progress: Progress | None = None,
+                       unfinished_resync: bool = False, progress: Progress | None = None,
                        timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """Make ``pool`` the primary of ``source``'s replica set (see the module's text)."""
     t0 = time.monotonic()
@@ -75,6 +82,7 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         src_probe = (await probe_replicas([source], token, timeout))[0]
         if src_probe.error:
             raise RepairError(src_probe.error)
+        refuse_unfinished(src_probe, unfinished_resync)
         async with await transport_for(source.transport).connect(
                 source.address, token, lanes=1, timeout=timeout) as peek:
             region = await peek.open_pool(source.name)
@@ -97,6 +105,11 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             async with session:
                 copied, compared, differing = await _copy(pool, hdr, session, region, force, progress,
                                                           timeout)
+                if src_probe.resync is not None:
+                    # Taken as it is (--unfinished-resync): the new primary holds the same
+                    # bytes, so the source is in sync with it, mixed or not.
+                    with trio.fail_after(timeout):
+                        await session.mark_resync(region, False)
         except TransportError:
             # Fenced mid-way (the copy's registration taken away) by a takeover that won?
             await _check_still_held(specs, token, epoch, timeout)

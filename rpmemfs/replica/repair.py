@@ -25,6 +25,7 @@ from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
 from rpmemfs.pool.syncmap import SyncMap, format_map
 from rpmemfs.replica.errors import ReplicationError
+from rpmemfs.replica.fencing import Probe, probe_one
 from rpmemfs.replica.replica import IN_SYNC
 from rpmemfs.replica.replica_set import ReplicaSet
 from rpmemfs.replica.spec import ReplicaSpec
@@ -110,6 +111,17 @@ async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], t
     return report
 
 
+def refuse_unfinished(probe: Probe, allowed: bool) -> None:
+    """A source whose resync was cut short holds parts of two points in time: copied, it makes
+    a pool whose log may point at data that never arrived. Refused unless ``allowed``."""
+    if probe.resync is None or allowed:
+        return
+    raise RepairError(f"replica {probe.spec} is not a consistent copy: {probe.resync} (its primary "
+                      "stopped while sending it what it missed). Use a replica that is in sync, "
+                      "or mount the pool that was resyncing it to finish the resync; "
+                      "--unfinished-resync takes this copy anyway (run `rpmemfs check` on the result)")
+
+
 def create_file(path: str, size: int, force: bool) -> int:
     if os.path.lexists(path) and not force:
         raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)")
@@ -164,10 +176,15 @@ async def read_runs(lane: Lane, region: RemoteRegion, buf: memoryview, runs: lis
 
 
 async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
+                       unfinished_resync: bool = False,
                        progress: Callable[[int, int], None] | None = None,
                        timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """Rebuild the local pool at ``pool`` from the replica ``source``."""
     t0 = time.monotonic()
+    probe = await probe_one(source, token, timeout)
+    if probe.error:
+        raise RepairError(probe.error)
+    refuse_unfinished(probe, unfinished_resync)
     try:
         async with await transport_for(source.transport).connect(
                 source.address, token, lanes=1, timeout=timeout) as session:

@@ -85,6 +85,10 @@ class Replica:
         self.resyncs = 0
         self.resync: dict[str, Any] | None = None  # progress of the resync under way
         self.last_resync: dict[str, Any] | None = None  # summary of the last one
+        # Whether its target records a resync of it that has not ended (begun by this mount,
+        # or by one killed during it): cleared on the target once it is in sync.
+        self.resync_marked = False
+        self.claimed = False  # its session claimed the pool (only a claimant may mark a resync)
         # Set whenever the replica falls out of sync: its keeper reconnects it.
         self.fell_behind = trio.Event()
 

@@ -40,6 +40,8 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
     replica.move(RESYNCING)
     replica.resyncs += 1
     t0 = time.monotonic()
+    if syncmap is None or syncmap.full(slot) or syncmap.count(slot):
+        await _mark(rs, replica, True)
     totals = {"compared_chunks": 0, "differing_chunks": 0, "chunks_sent": 0, "bytes_sent": 0,
               "passes": 0}
     if syncmap is None or syncmap.full(slot):
@@ -69,11 +71,34 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
         if syncmap is not None:
             syncmap.settle(slot)
         replica.joined()
+    # After it joined, outside the lock (no fsync waits for this round trip). Should it be
+    # lost (the target gone, this mount killed), the mark stays and the replica is only
+    # refused as a source until its next resync ends: never the other way round.
+    await _mark(rs, replica, False)
     replica.resync = None
     replica.last_resync = {**totals, "seconds": round(time.monotonic() - t0, 3)}
     if totals["bytes_sent"] or totals["compared_chunks"]:
         log.warning("replica %s resynced: %s", replica.spec, replica.last_resync)
     return True
+
+
+async def _mark(rs: Barriers, replica: Replica, active: bool) -> None:
+    """Record on the replica's target that its resync begins (before any resync write lands
+    there) or ended; see target/owners.py. Only the pool's claimant may, and only a change is
+    sent. Failing to clear it is logged, not fatal (the replica is in sync)."""
+    if not replica.claimed or replica.resync_marked is active:
+        return
+    assert replica.session is not None and replica.region is not None
+    try:
+        with trio.fail_after(rs.timeout):
+            await replica.session.mark_resync(replica.region, active)
+    except (TransportError, trio.TooSlowError) as exc:
+        if active:
+            raise
+        log.warning("replica %s: in sync, but its target still marks a resync under way: %s",
+                    replica.spec, exc)
+        return
+    replica.resync_marked = active
 
 
 async def _send_missing(rs: Barriers, replica: Replica, totals: dict[str, int],

@@ -39,7 +39,8 @@ def _when(ts: object) -> str:
 
 
 def format_pools(address: str, pools: dict[str, Any]) -> str:
-    rows = [("pool", "size", "owner epoch", "owner", "since", "writer", "sessions", "last activity")]
+    rows = [("pool", "size", "owner epoch", "owner", "since", "writer", "sessions", "last activity",
+             "resync")]
     for name, p in pools.items():
         owner = p.get("owner") or {}
         holder = owner.get("holder") or {}
@@ -50,7 +51,9 @@ def format_pools(address: str, pools: dict[str, Any]) -> str:
             who += f" {holder['pool']}"
         rows.append((name, human(int(p.get("size", 0))), owner.get("epoch_shown", "-"), who,
                      _when(owner.get("since")), p.get("writer") or "-", str(len(p.get("sessions", []))),
-                     _when(p.get("last_activity"))))
+                     _when(p.get("last_activity")),
+                     f"UNFINISHED since {_when(owner['resync'].get('since'))}"
+                     if owner.get("resync") else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"target {address}: {len(pools)} pools"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -1,4 +1,5 @@
-"""Control requests (JSON in SEND payloads): create, open, close, remove, checksum, stats, info.
+"""Control requests (JSON in SEND payloads): create, open, probe, pools, evict, resync, close,
+remove, checksum, stats, info.
 
 Not the hot path. A refused request gets a clean ``{"ok": false, "error": ...}`` reply and the
 connection stays up: bad input in a request is not a framing violation.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -89,6 +91,8 @@ class ControlService:
                 return {"ok": True, "pools": self._pools()}
             if op == "evict":
                 return self._evict(session, request)
+            if op == "resync":
+                return self._resync(session, request)
             if op == "close":
                 return self._close(session, request)
             if op == "remove":
@@ -296,7 +300,8 @@ class ControlService:
         name = region.pool.name
         if owner is None or owner.epoch != epoch or (holder and owner.holder != holder):
             since = owner.since if owner is not None and owner.epoch == epoch else time.time()
-            self._owners.set(name, Owner(epoch, holder, since))
+            # A resync cut short stays marked across claims: the content is still mixed.
+            self._owners.set(name, Owner(epoch, holder, since, owner.resync if owner else None))
             if owner is not None and owner.epoch != epoch:
                 log.warning("pool %s: claimed at epoch %s by %s (was %s)", name, show_epoch(epoch),
                             holder.get("host", session.peer), show_epoch(owner.epoch))
@@ -307,6 +312,29 @@ class ControlService:
                         name, old_session.peer, show_epoch(epoch))
             self._sessions.unregister(old_session, old_key)
         self._writers[name] = (session, region.key)
+
+    def _resync(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+        """Mark (``"active": true``, durably, before the first resync write lands) or clear the
+        resync of a pool, for its writing session only: whoever copies this replica later must
+        know whether it holds one point in time or parts of two (see owners.py)."""
+        key, active = request.get("key"), request.get("active")
+        region = session.regions.get(key) if isinstance(key, int) else None
+        if region is None:
+            raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
+        if not isinstance(active, bool):
+            raise PoolError("resync needs \"active\": true or false", "request")
+        name = region.pool.name
+        if self._writers.get(name) != (session, region.key):
+            raise PoolError(f"pool {name!r}: only its writing session may mark a resync", "epoch")
+        owner = self._owner(name, region.pool.epoch) or Owner(0)
+        if active and owner.resync is None:
+            by = owner.describe()
+            self._owners.set(name, replace(owner, resync={"since": time.time(), "by": by}))
+            log.info("pool %s: resync by %s began", name, by)
+        elif not active and owner.resync is not None:
+            self._owners.set(name, replace(owner, resync=None))
+            log.info("pool %s: resync ended; the replica holds one point in time again", name)
+        return {"ok": True}
 
     def _remove(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         name = check_name(request.get("name"))

@@ -5,6 +5,12 @@ epoch; the target writes the claim here (atomically, and durably, before it answ
 then on refuses any writer whose claim is older, naming the owner: so an old primary that
 comes back after a failover is refused even before the new primary has written anything.
 
+The record also says when a resync of the pool began and has not ended: while an initiator
+sends a replica what it missed, the replica holds parts of two points in time, and a copy of it
+is no pool to promote. The initiator records the resync here before its first write and clears
+it once the replica is in sync, so a resync cut short (the initiator killed) stays visible to
+whoever would promote or recover from this replica; a later claim keeps it until a resync ends.
+
 The record lives beside the pool, in ``.NAME.owner`` (JSON), not in the pool: the pool's
 bytes are the primary's to write, header included, and a primary must not be able to
 overwrite the record that fences it. Pool names never start with a dot, so the record is
@@ -38,6 +44,8 @@ class Owner:
     epoch: int
     holder: dict[str, Any] = field(default_factory=dict)
     since: float = 0.0  # when this epoch claimed the pool here (seconds since the epoch)
+    # A resync under way, or cut short: {"since": seconds since the epoch, "by": who began it}.
+    resync: dict[str, Any] | None = None
 
     def describe(self) -> str:
         h = self.holder
@@ -49,9 +57,17 @@ class Owner:
         extra = f" ({', '.join(parts)})" if parts else ""
         return f"{who}{extra} at epoch {show_epoch(self.epoch)} since {when}"
 
+    def resync_text(self) -> str | None:
+        """What a resync that has not ended says to whoever would copy this replica."""
+        if self.resync is None:
+            return None
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.resync.get("since", 0)))
+        return f"a resync by {self.resync.get('by') or 'an unnamed initiator'} began {when} and did not end"
+
     def as_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "epoch_shown": show_epoch(self.epoch), "holder": self.holder,
-                "since": self.since, "described": self.describe()}
+                "since": self.since, "described": self.describe(), "resync": self.resync,
+                "resync_described": self.resync_text()}
 
 
 def clean_holder(value: object) -> dict[str, Any]:
@@ -64,6 +80,18 @@ def clean_holder(value: object) -> dict[str, Any]:
         if isinstance(v, kind) and not isinstance(v, bool):
             out[key] = v[:MAX_HOLDER_TEXT] if isinstance(v, str) else v
     return out
+
+
+def _resync(value: object) -> dict[str, Any] | None:
+    """A recorded resync marker, checked; an unreadable one still marks the pool (it was set)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return {"since": 0.0, "by": "unknown (the record's marker is unreadable)"}
+    since = value.get("since")
+    by = value.get("by")
+    return {"since": float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else 0.0,
+            "by": by[:MAX_HOLDER_TEXT] if isinstance(by, str) else ""}
 
 
 def refusal(owner: Owner | None, prev: int, cur: int, takeover: bool) -> str | None:
@@ -127,7 +155,7 @@ class OwnerBook:
             if not isinstance(epoch, int) or not 0 <= epoch < 1 << 64:
                 raise ValueError(f"epoch {epoch!r}")
             since = doc.get("since", 0.0)
-            return Owner(epoch, clean_holder(doc.get("holder")), float(since))
+            return Owner(epoch, clean_holder(doc.get("holder")), float(since), _resync(doc.get("resync")))
         except (ValueError, KeyError, TypeError) as exc:
             # Refusing every writer would make the pool unusable; the header's epoch still
             # fences (the caller falls back to it), and the operator is told.
@@ -139,7 +167,8 @@ class OwnerBook:
         """Record ``owner`` durably before returning (write, fsync, rename, fsync the dir)."""
         path = self._path(name)
         tmp = f"{path}.tmp"
-        data = json.dumps({"epoch": owner.epoch, "holder": owner.holder, "since": owner.since}).encode()
+        data = json.dumps({"epoch": owner.epoch, "holder": owner.holder, "since": owner.since,
+                           "resync": owner.resync}).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, data)

@@ -177,6 +177,11 @@ class Session(Protocol):
         """Who owns a pool (its recorded epoch and holder) and whether a writer has it open,
         without opening it."""
 
+    async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
+        """Record on the target (durably, before answering) that a resync of this claimed pool
+        begins, or that it ended: a replica between the two holds parts of two points in time,
+        and whoever would copy it (promote, recover) must be told."""
+
     async def close_pool(self, region: RemoteRegion) -> None: ...
 
     async def remove_pool(self, name: str) -> None: ...

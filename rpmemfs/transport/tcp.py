@@ -384,6 +384,9 @@ class TcpSession:
     async def probe_pool(self, name: str) -> dict[str, Any]:
         return await self.control({"op": "probe", "name": name})
 
+    async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
+        await self.control({"op": "resync", "key": region.key, "active": active})
+
     async def close_pool(self, region: RemoteRegion) -> None:
         await self.control({"op": "close", "key": region.key})
 

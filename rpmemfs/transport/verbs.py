@@ -726,6 +726,9 @@ class VerbsSession:
     async def probe_pool(self, name: str) -> dict[str, Any]:
         return await self._control.probe_pool(name)
 
+    async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
+        await self._control.mark_resync(region, active)
+
     async def close_pool(self, region: RemoteRegion) -> None:
         await self._control.close_pool(region)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Self
 
@@ -305,7 +305,8 @@ class MemSession:
             why = refusal(owner, epoch[0], epoch[1], takeover)
             if why:
                 raise TransportError(self.peer, f"pool {name!r}: {why}")
-            self.target.owners[name] = Owner(epoch[1], dict(holder or {}))
+            self.target.owners[name] = Owner(epoch[1], dict(holder or {}), 0.0,
+                                             owner.resync if owner else None)
         self._keys += 1
         return self.target._region(name, self._keys)
 
@@ -319,6 +320,14 @@ class MemSession:
         owner = self.target.owner(name)
         return {"ok": True, "name": name, "size": len(pool), "uuid": hdr.uuid.hex() if hdr else None,
                 "owner": owner.as_dict() if owner else None, "writer": None}
+
+    async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
+        self.check()
+        await self.target.answer(self, trio.current_time() + self.timeout)
+        owner = self.target.owner(region.name) or Owner(0)
+        marker = {"since": 1.0, "by": "test"} if active else None
+        self.target.owners[region.name] = replace(owner, resync=marker)
+        self.target.ops.append(("resync", region.name, int(active), 0))
 
     async def close_pool(self, region: RemoteRegion) -> None:
         self.check()

@@ -109,3 +109,61 @@ def test_an_old_primary_never_claims_or_writes_a_replica_another_one_claimed() -
     assert rig.targets[1].owners["app"].epoch == G2B  # left to its owner...
     assert rig.targets[1].pools["app"][8192:8200] != b"changed!"  # ...and never written
     assert not [op for op in rig.targets[1].ops if op[0] == "write"]
+
+
+# ------------------------------------------------------------------ an unfinished resync
+
+
+def test_a_resync_is_marked_on_the_target_before_its_first_write_and_cleared_once_joined() -> None:
+    rig = Rig()
+    rig.buf[8192:8200] = b"changed!"  # replica 1 misses this; replica 0 is compared clean
+    rig.targets[0].pools["app"][8192:8200] = b"changed!"
+
+    async def main() -> None:
+        rs = await rig.open(G1, G1)
+        await rs.aclose()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    for t in rig.targets:
+        marks = [(i, op[2]) for i, op in enumerate(t.ops) if op[0] == "resync"]
+        writes = [i for i, op in enumerate(t.ops) if op[0] == "write"]
+        if t is rig.targets[1]:
+            # Every resync write lies between the mark and its clearing.
+            assert [m for _, m in marks] == [1, 0], t.ops
+            assert writes and marks[0][0] < min(writes) and max(writes) < marks[1][0], t.ops
+        assert t.owners["app"].resync is None
+        assert t.pools["app"][8192:8200] == b"changed!"
+
+
+def test_a_mark_left_by_a_killed_resync_survives_claims_until_a_resync_ends() -> None:
+    rig = Rig()
+    left = {"since": 5.0, "by": "a mount killed mid-resync"}
+    rig.targets[1].owners["app"] = Owner(G1, {"host": "old"}, 1.0, left)
+
+    async def main() -> None:
+        probes = await probe_replicas(rig.specs, None, 2.0, rig.transport)
+        assert probes[0].resync is None
+        assert probes[1].resync is not None
+        rs = await rig.open(G1, G2A)  # nothing to send, but its compare is a resync all the same
+        try:
+            assert [r.state for r in rs.replicas] == ["in-sync", "in-sync"]
+        finally:
+            await rs.aclose()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    ops = [op[2] for op in rig.targets[1].ops if op[0] == "resync"]
+    assert ops == [0]  # already marked: not marked again, and cleared once in sync
+    assert rig.targets[1].owners["app"] == Owner(G2A, {"host": "me"})
+
+
+def test_the_owner_record_keeps_a_resync_mark(tmp_path: Path) -> None:
+    book = OwnerBook(str(tmp_path))
+    marked = Owner(G2A, {"host": "h"}, 2.0, {"since": 3.0, "by": "h (pid 1)"})
+    book.set("app", marked)
+    again = OwnerBook(str(tmp_path)).get("app")
+    assert again == marked
+    assert again is not None and "h (pid 1)" in (again.resync_text() or "")
+    assert again.as_dict()["resync"] == {"since": 3.0, "by": "h (pid 1)"}
+    (tmp_path / ".app.owner").write_text(json.dumps({"epoch": G2A, "resync": "garbage"}))
+    unreadable = OwnerBook(str(tmp_path)).get("app")
+    assert unreadable is not None and unreadable.resync is not None  # still marked: it was set
