@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import resource
 import sys
 from collections.abc import Sequence
 
@@ -13,6 +14,11 @@ import trio
 
 from rpmemfs import logs
 from rpmemfs.pmem import PMEM_MODES
+from rpmemfs.target.admission import (
+    DEFAULT_MAX_HANDSHAKES,
+    DEFAULT_MAX_HANDSHAKES_PER_PEER,
+    MAX_HANDSHAKE_TIMEOUT,
+)
 from rpmemfs.target.errors import TargetError
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.server import TargetConfig, serve
@@ -50,8 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pmem", choices=PMEM_MODES, default="auto", help="how pools are mapped (as for mount)")
     p.add_argument("--max-pool-size", default="1T", metavar="SIZE", help="largest pool one may create")
-    p.add_argument("--max-connections", type=int, default=1024, metavar="N")
-    p.add_argument("--handshake-timeout", type=float, default=10.0, metavar="S")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="authenticated connections at most (default 1024)")
+    p.add_argument("--max-handshakes", type=int, default=DEFAULT_MAX_HANDSHAKES, metavar="N",
+                   help="connections that have not authenticated yet, at most; over it the oldest "
+                   f"handshake of the peer with the most is closed (default {DEFAULT_MAX_HANDSHAKES})")
+    p.add_argument("--max-handshakes-per-peer", type=int, default=DEFAULT_MAX_HANDSHAKES_PER_PEER,
+                   metavar="N", help="the same, per peer address; over it that peer's oldest is closed "
+                   f"(default {DEFAULT_MAX_HANDSHAKES_PER_PEER})")
+    p.add_argument("--handshake-timeout", type=float, default=MAX_HANDSHAKE_TIMEOUT, metavar="S",
+                   help=f"to authenticate after connecting, at most {MAX_HANDSHAKE_TIMEOUT:g} s "
+                   "(the default)")
     p.add_argument("--frame-timeout", type=float, default=30.0, metavar="S", help="to finish a started frame")
     p.add_argument(
         "--idle-timeout", type=float, default=0.0, metavar="S",
@@ -84,6 +99,13 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     for name in ("frame_timeout", "handshake_timeout"):
         if getattr(args, name) <= 0:
             raise StartError(f"--{name.replace('_', '-')} must be positive")
+    if args.handshake_timeout > MAX_HANDSHAKE_TIMEOUT:
+        # Each open handshake holds a slot: a long deadline lets a slow flood hold them all.
+        raise StartError(f"--handshake-timeout is at most {MAX_HANDSHAKE_TIMEOUT:g} seconds")
+    for name in ("max_connections", "max_handshakes", "max_handshakes_per_peer"):
+        if getattr(args, name) < 1:
+            raise StartError(f"--{name.replace('_', '-')} must be at least 1")
+    _raise_descriptor_limit(args.max_connections + args.max_handshakes)
     if not 0 <= args.spin_us <= 1_000_000:
         raise StartError("--spin-us must be between 0 and 1000000")
     if args.idle_timeout < 0:
@@ -114,9 +136,27 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         pmem_kind=kind, max_pool_size=max_pool, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
-        rdma=args.rdma == "auto",
+        rdma=args.rdma == "auto", max_handshakes=args.max_handshakes,
+        max_handshakes_per_peer=args.max_handshakes_per_peer,
     )
     return config, store
+
+
+# Descriptors besides connections: pools, owner records, the listener, logs, verbs.
+SPARE_DESCRIPTORS = 256
+
+
+def _raise_descriptor_limit(connections: int) -> None:
+    """Up to the hard limit, so that the connection caps, not EMFILE, decide who is served."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + SPARE_DESCRIPTORS
+    if soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        raise StartError(f"the connection caps need {want} file descriptors but the hard limit is "
+                         f"{hard}: lower --max-connections/--max-handshakes or raise the limit")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

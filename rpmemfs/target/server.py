@@ -6,18 +6,25 @@ import logging
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from rpmemfs.target.admission import (
+    DEFAULT_MAX_HANDSHAKES,
+    DEFAULT_MAX_HANDSHAKES_PER_PEER,
+    Admission,
+    Handshake,
+)
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
 from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
 from rpmemfs.target.lane_native import NativeLane
 from rpmemfs.target.peers import peer_allowed
 from rpmemfs.target.pools import PoolStore
-from rpmemfs.target.sessions import SessionTable
+from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport.address import format_address
 from rpmemfs.transport.sockio import SockIO, tune
 from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed
@@ -38,13 +45,15 @@ class TargetConfig:
     pmem_mode: str
     pmem_kind: str  # what the start-up probe mapped
     max_pool_size: int
-    max_connections: int
+    max_connections: int  # authenticated connections
     handshake_timeout: float
     frame_timeout: float
     idle_timeout: float
     spin_us: int = 0
     native: bool = True  # lanes' receive loops in C threads
     rdma: bool = True  # serve verbs lanes too, where an RDMA device has the listen address
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES  # unauthenticated connections, in total...
+    max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
 
 
 async def listen(host: str, port: int) -> socket.socket:
@@ -76,7 +85,9 @@ class Server:
         }
         self.control = ControlService(store, self.sessions, config.method, self.info)
         self._token = config.token or b""
-        self._connections = 0
+        self.admission = Admission(config.max_connections, config.max_handshakes,
+                                   config.max_handshakes_per_peer)
+        self._full_logged = 0.0
 
     async def run(self, listener: socket.socket) -> None:
         """Serve until SIGTERM or SIGINT; then close every connection and every pool."""
@@ -129,26 +140,30 @@ class Server:
                 log.error("accept failed: %s", exc)
                 await trio.sleep(0.1)
                 continue
-            if self._connections >= self.config.max_connections:
-                log.warning("refusing %s: %d connections already open", addr[0], self._connections)
+            # Counted here, before its task starts: a burst of connections cannot overshoot.
+            hs = self.admission.begin(addr[0])
+            if hs is None:
+                if time.monotonic() - self._full_logged > 10:
+                    self._full_logged = time.monotonic()
+                    log.warning("refusing connections (the latest from %s): %d authenticated "
+                                "connections open, the cap", addr[0], self.admission.authenticated)
                 sock.close()
                 continue
-            nursery.start_soon(self._connection, sock, addr)
+            nursery.start_soon(self._connection, sock, addr, hs)
 
-    async def _connection(self, sock: socket.socket, addr: Any) -> None:
+    async def _connection(self, sock: socket.socket, addr: Any, hs: Handshake) -> None:
         peer = format_address(addr[0], addr[1])
-        self._connections += 1
         io = SockIO(sock)
         try:
-            await self._serve(io, peer, addr[0])
+            await self._serve(io, peer, addr[0], hs)
         except Exception:
             # A bug met by one connection must not take the others down with the nursery.
             log.exception("peer %s: internal error; closing its connection", peer)
         finally:
             io.close()
-            self._connections -= 1
+            self.admission.end_handshake(hs)  # (nothing, once it authenticated)
 
-    async def _serve(self, sock: SockIO, peer: str, host: str) -> None:
+    async def _serve(self, sock: SockIO, peer: str, host: str, hs: Handshake) -> None:
         cfg = self.config
         if not peer_allowed(host, cfg.token is not None):
             log.warning("refused %s: not a loopback peer and no token is configured", peer)
@@ -162,8 +177,13 @@ class Server:
         # Small until the peer has authenticated: unauthenticated connections cost little.
         reader = FrameReader(sock, HANDSHAKE_STAGING)
         try:
-            with trio.fail_after(cfg.handshake_timeout):
+            with hs.scope, trio.fail_after(cfg.handshake_timeout):
                 role, session = await accept(sock, reader, peer, self._token, self.sessions, self.info)
+            if hs.dropped:
+                # Pushed out by newer connections over the caps (admission.py); counted and
+                # reported there, in one line for many.
+                log.debug("peer %s: handshake closed: unauthenticated connections over the cap", peer)
+                return
         except HandshakeRefused as exc:
             log.warning("refused %s: %s", peer, exc.reason)
             return
@@ -178,6 +198,22 @@ class Server:
         except (PeerClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("peer %s left during the handshake: %s", peer, exc)
             return
+        if not self.admission.authenticate(hs):
+            log.warning("refused %s: %d authenticated connections open, the cap", peer,
+                        self.admission.authenticated)
+            await refuse(sock, Code.PEER_REFUSED,
+                         f"the target serves at most {cfg.max_connections} connections")
+            if role == Role.CONTROL:
+                self.sessions.end(session)
+            return
+        try:
+            await self._serve_authenticated(sock, reader, peer, role, session)
+        finally:
+            self.admission.end_authenticated()
+
+    async def _serve_authenticated(self, sock: SockIO, reader: FrameReader, peer: str, role: Role,
+                                   session: TargetSession) -> None:
+        cfg = self.config
         reader.resize(STAGING_SIZE)
         apm = cfg.method == "apm"
         native = None
