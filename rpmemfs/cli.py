@@ -137,35 +137,36 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(mountpoint: str) -> dict[str, Any]:
+def _status(mountpoint: str, timeout: float = 10.0) -> dict[str, Any]:
     from rpmemfs.mountd import control
+    from rpmemfs.mountinfo import mount_at
 
-    if not os.path.ismount(mountpoint):
+    # From the mount table, never a stat of the mount point: that hangs while the daemon is
+    # stuck, and status must say so instead.
+    here = os.path.abspath(mountpoint)
+    point = os.path.join(os.path.realpath(os.path.dirname(here)), os.path.basename(here))
+    entry = mount_at(point)
+    if entry is None:
         raise CliError(f"{mountpoint} is not a mount point")
+    if entry.fstype != "fuse.rpmemfs":
+        raise CliError(f"{mountpoint} is a mount point of {entry.fstype}, not of rpmemfs")
     try:
-        return control.query(mountpoint)
+        return control.query(point, timeout=timeout)
     except (OSError, ValueError) as e:
         raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    st = _status(args.mountpoint)
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    lat = st["fsync_latency_us"]
-    print(f"mount      {st['mountpoint']}\npool       {st['pool']} ({st['uuid']})\n"
-          f"size       {human(st['size'])}, used {human(st['used'])} of {human(st['data_size'])}, "
-          f"{st['inodes']} inodes\n"
-          f"pmem       {st['pmem_mode']} (requested {st['pmem_requested']})\n"
-          f"fsync      {st['fsync_count']} calls, p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us\n"
-          f"polling    {st['poll_us']} us after each request\n"
-          f"log        area {st['log']['area']} gen {st['log']['generation']}, "
-          f"{human(st['log']['used'])} of {human(st['log']['capacity'])}, "
-          f"{st['log']['checkpoints']} checkpoints")
-    for r in st.get("replicas", []):
-        print(f"replica    {r}")
-    return 0
+    from rpmemfs.mountd.status import Health, format_status, health
+
+    try:
+        st = _status(args.mountpoint, args.timeout)
+    except CliError as e:
+        print(f"rpmemfs: {e}", file=sys.stderr)
+        return Health.UNKNOWN
+    h, _ = health(st)
+    print(json.dumps({**st, "health": h.name.lower()}, indent=2) if args.json else format_status(st))
+    return int(h)
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
@@ -492,9 +493,11 @@ def build_parser() -> ArgumentParser:
                    help="how long the daemon may take to answer (default 60); closing the pool "
                         "afterwards is bounded by the replicas' timeout instead")
 
-    s = command("status", cmd_status, "show a mount's state")
+    s = command("status", cmd_status, "show a mount's state; exit status 0 healthy, 1 degraded "
+                "(not every replica in sync), 2 failing (fsync returns EIO), 3 unknown")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
 
     s = command("flush", cmd_flush, "make everything written so far durable now, locally and on "
                 "the replicas (what `sync -f` cannot ask of a FUSE filesystem)")

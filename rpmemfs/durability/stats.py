@@ -1,9 +1,11 @@
-"""Counters of durability points that `rpmemfs status` shows."""
+"""Counters of durability points that `rpmemfs status` and the metrics show."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+
+from rpmemfs.latency import Histogram
 
 
 class Stats:
@@ -11,10 +13,12 @@ class Stats:
         self.fsyncs = 0
         self.latencies: deque[int] = deque(maxlen=20000)  # ns, the latest points only
         self.started = time.time()
+        self.histogram = Histogram()  # every point since the mount, for the metrics
 
     def add(self, ns: int) -> None:
         self.fsyncs += 1
         self.latencies.append(ns)
+        self.histogram.observe_ns(ns)
 
     def percentiles(self) -> dict[str, float]:
         """p50 and p99 in microseconds."""

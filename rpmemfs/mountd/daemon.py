@@ -144,6 +144,7 @@ class Mounted:
             "fenced": self.fenced,
             "commit": self.committer.status() if self.committer is not None else {"seconds": 0},
             "replicas": self._replica_status(),
+            "started": self.durability.stats.started,
         }
 
     def _replica_status(self) -> list[dict[str, Any]]:

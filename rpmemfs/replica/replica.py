@@ -6,6 +6,7 @@ state goes through :meth:`Replica.move`, which refuses any other move.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -14,6 +15,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs.latency import Histogram
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import Lane, LocalPool, Method, RemoteRegion, Session, Ticket, TransportError
 
@@ -61,6 +63,7 @@ class Posted:
     ticket: Ticket
     writes: int
     nbytes: int
+    started: int  # perf_counter_ns when posted
 
 
 class Replica:
@@ -88,6 +91,9 @@ class Replica:
         # Whether its target records a resync of it that has not ended (begun by this mount,
         # or by one killed during it): cleared on the target once it is in sync.
         self.resync_marked = False
+        self.latency = Histogram()  # of its barriers, post to acknowledgement
+        # When it last left in-sync (or was created): how long it has been behind.
+        self.behind_since: float | None = time.time()
         self.claimed = False  # its session claimed the pool (only a claimant may mark a resync)
         # Set whenever the replica falls out of sync: its keeper reconnects it.
         self.fell_behind = trio.Event()
@@ -112,6 +118,8 @@ class Replica:
         # The first error is the cause; later ones are usually its echoes on other lanes, so
         # failing a stale replica changes nothing (and is no move of its state).
         if self.state is not STALE:
+            if self.state is IN_SYNC:
+                self.behind_since = time.time()
             self.move(STALE)
             self.note(reason)
             self.fell_behind.set()
@@ -123,6 +131,7 @@ class Replica:
     def joined(self) -> None:
         """In sync again (its resync is done): every barrier from now on reaches it."""
         self.move(IN_SYNC)
+        self.behind_since = None
         self.fell_behind = trio.Event()
         self.last_error = self.last_error_at = None
 
@@ -154,9 +163,10 @@ class Replica:
         except TransportError as exc:
             self.fail(str(exc))
             return None
-        return Posted(self, lane, ticket, len(ranges), nbytes)
+        return Posted(self, lane, ticket, len(ranges), nbytes, time.perf_counter_ns())
 
     def _completed(self, posted: Posted) -> bool:
+        self.latency.observe_ns(time.perf_counter_ns() - posted.started)
         self.barriers += 1
         self.writes += posted.writes
         self.flushes += 1
@@ -212,6 +222,7 @@ class Replica:
             "bytes": self.bytes,
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
+            "behind_since": self.behind_since,
         }
 
     async def aclose(self, timeout: float) -> None:

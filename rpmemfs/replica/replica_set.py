@@ -204,7 +204,17 @@ class ReplicaSet(Barriers):
         return await repair_live(self, replica, progress or self.progress, self.progress)
 
     def status(self) -> list[dict[str, Any]]:
-        return [r.status() for r in self.replicas]
+        return [{**r.status(), "lag_bytes": self.lag(r)} for r in self.replicas]
+
+    def lag(self, replica: Replica) -> int | None:
+        """Bytes the replica misses (0 in sync), as the sync map counts them (whole chunks);
+        None when nothing is known but that it must be compared in full."""
+        if replica.state is IN_SYNC:
+            return 0
+        sm = self.syncmap
+        if sm is None or not sm.enabled or sm.full(replica.slot):
+            return None
+        return sm.count(replica.slot) * sm.chunk
 
     async def aclose(self) -> None:
         async with trio.open_nursery() as nursery:
