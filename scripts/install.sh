@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc)
+# The tests also run a real Prometheus server and promtool against the metrics and alert rules.
+for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus); done
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

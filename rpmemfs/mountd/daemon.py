@@ -400,9 +400,39 @@ class Mounted:
                 self.committer = Committer(self.durability, self.mo.commit)
                 nursery.start_soon(self.committer.run)
             await nursery.start(control.serve, self.control_path, self.control_handlers())
-            await pyfuse3.main()
+            stop_metrics = self._serve_metrics()
+            try:
+                await pyfuse3.main()
+            finally:
+                stop_metrics()
             nursery.cancel_scope.cancel()
         await self._last_barrier()
+
+    def _serve_metrics(self) -> Callable[[], None]:
+        if self.mo.metrics is None:
+            return lambda: None
+        from rpmemfs.metrics import SnapshotCollector, mount_families, serve
+
+        collector = SnapshotCollector(self.metrics_snapshot, trio.lowlevel.current_trio_token(),
+                                      mount_families)
+        try:
+            return serve(self.mo.metrics, collector)
+        except OSError as e:
+            # Metrics are for watching the mount, not a reason to refuse it.
+            log.error("metrics: cannot serve on %s: %s", self.mo.metrics, e.strerror or e)
+            return lambda: None
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """describe() and the latency histograms, taken together (on the trio thread)."""
+        from rpmemfs.mountd.status import health
+
+        st = self.describe()
+        st["health_code"] = int(health(st)[0])
+        st["fsync_histogram"] = self.durability.stats.histogram.snapshot()
+        st["replica_histograms"] = ({f"{r.spec.address}/{r.spec.name}": r.latency.snapshot()
+                                     for r in self.replicas.replicas} if self.replicas else {})
+        st["now"] = time.time()
+        return st
 
     async def _last_barrier(self) -> None:
         """Unmounted: make everything durable everywhere, with a checkpoint if the log is long."""

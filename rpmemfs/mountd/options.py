@@ -9,6 +9,7 @@ from rpmemfs.durability.commit import DEFAULT_COMMIT, MAX_COMMIT
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.pmem import PMEM_MODES
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
+from rpmemfs.transport.address import parse_address
 
 # Options mount(8) and fstab hand every helper; they mean nothing to us.
 IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto", "user",
@@ -29,6 +30,7 @@ class MountOptions:
     poll_us: int = DEFAULT_POLL_US
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     takeover: bool = False  # claim the replicas even from a newer owner (fencing it)
+    metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
     extra: list[str] = field(default_factory=list)
 
 
@@ -84,6 +86,12 @@ def parse_options(opts: list[str]) -> MountOptions:
                 mo.poll_us = int(value)
             elif key == "token_file":
                 mo.token_file = value
+            elif key == "metrics":
+                try:
+                    parse_address(value, 0)
+                except ValueError as exc:
+                    raise MountError(f"metrics= needs HOST:PORT: {exc}") from None
+                mo.metrics = value
             else:
                 raise MountError(f"unknown mount option {opt!r}")
     return mo

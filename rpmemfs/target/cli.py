@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: also serve verbs initiators (rdmacm on the same address and port) when an "
         "RDMA device has the listen address; off: TCP only",
     )
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -94,6 +96,8 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     try:
         host, port = parse_address(args.listen, DEFAULT_PORT)
         max_pool = parse_size(args.max_pool_size)
+        if args.metrics is not None:
+            parse_address(args.metrics, 0)
     except ValueError as exc:
         raise StartError(str(exc)) from None
     for name in ("frame_timeout", "handshake_timeout"):
@@ -137,7 +141,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
         rdma=args.rdma == "auto", max_handshakes=args.max_handshakes,
-        max_handshakes_per_peer=args.max_handshakes_per_peer,
+        max_handshakes_per_peer=args.max_handshakes_per_peer, metrics=args.metrics,
     )
     return config, store
 

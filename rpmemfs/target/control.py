@@ -88,7 +88,7 @@ class ControlService:
             if op == "probe":
                 return self._probe(request)
             if op == "pools":
-                return {"ok": True, "pools": self._pools()}
+                return {"ok": True, "pools": self.listing()}
             if op == "evict":
                 return self._evict(session, request)
             if op == "resync":
@@ -167,7 +167,7 @@ class ControlService:
         name = check_name(request.get("name"))
         return {"ok": True, "name": name, **self._ownership(name)}
 
-    def _pools(self) -> dict[str, Any]:
+    def listing(self) -> dict[str, Any]:
         """Every pool in the directory: size, owner, writer, sessions, activity, counters."""
         out: dict[str, Any] = {}
         for name in sorted(os.listdir(self._store.pool_dir)):

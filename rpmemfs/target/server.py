@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class TargetConfig:
     rdma: bool = True  # serve verbs lanes too, where an RDMA device has the listen address
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES  # unauthenticated connections, in total...
     max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
+    metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
 
 
 async def listen(host: str, port: int) -> socket.socket:
@@ -93,6 +95,7 @@ class Server:
         """Serve until SIGTERM or SIGINT; then close every connection and every pool."""
         try:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                stop_metrics = self._serve_metrics()
                 # Announced only now, so whoever waits for the line may signal us right away.
                 address = announce(listener)
                 log.info(
@@ -100,16 +103,38 @@ class Server:
                     address, self.config.pool_dir, self.config.method, self.config.pmem_kind,
                     "token required" if self.config.token else "no token (loopback only)",
                 )
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._stop_on_signal, signals, nursery.cancel_scope)
-                    nursery.start_soon(self.control.watch_activity)
-                    if self.config.rdma:
-                        self._start_verbs(listener, nursery)
-                    await self._accept_loop(listener, nursery)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._stop_on_signal, signals, nursery.cancel_scope)
+                        nursery.start_soon(self.control.watch_activity)
+                        if self.config.rdma:
+                            self._start_verbs(listener, nursery)
+                        await self._accept_loop(listener, nursery)
+                finally:
+                    stop_metrics()
         finally:
             listener.close()
             self.store.close_all()
             log.info("target stopped; pools persisted and closed")
+
+    def _serve_metrics(self) -> Callable[[], None]:
+        if self.config.metrics is None:
+            return lambda: None
+        from rpmemfs.metrics import SnapshotCollector, serve, target_families
+
+        collector = SnapshotCollector(self.metrics_snapshot, trio.lowlevel.current_trio_token(),
+                                      target_families)
+        try:
+            return serve(self.config.metrics, collector)
+        except OSError as exc:
+            raise SystemExit(f"rpmemfs: cannot serve metrics on {self.config.metrics}: "
+                             f"{exc.strerror or exc}") from None
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """What the metrics show, taken on the trio thread in one go."""
+        return {"sessions": len(self.sessions), "connections": self.admission.authenticated,
+                "handshakes": self.admission.handshakes,
+                "handshakes_dropped": self.admission.dropped, "pools": self.control.listing()}
 
     def _start_verbs(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         """Serve verbs on the same address and port number (rdmacm's port space is its own)."""
