@@ -52,6 +52,9 @@ def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
         def ready() -> None:
             os.write(wfd, b"ok")
             os.close(wfd)
+            if not mo.log_file:
+                # Forked off by mount(8), fstab or a shell: stderr is nobody's from here on.
+                logs.to_syslog(mo.log_level, "rpmemfs-mount")
             devnull = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1) if mo.log_file else (0, 1, 2):
                 os.dup2(devnull, fd)

@@ -158,6 +158,7 @@ class ReplicaSet(Barriers):
 
     async def _keeper(self, replica: Replica, on_change: Callable[[], None]) -> None:
         backoff = self.reconnect_interval
+        told = ""  # why it is unusable, as last logged: a line when that changes, not per attempt
         while True:
             if replica.state is IN_SYNC:
                 await replica.fell_behind.wait()
@@ -167,14 +168,18 @@ class ReplicaSet(Barriers):
                 backoff = self.reconnect_interval
                 continue
             await self._until_retry(replica, backoff)
-            log.info("replica %s: reconnecting", replica.spec)
+            log.debug("replica %s: reconnecting", replica.spec)
             cleared, since = replica.last_error, replica.last_error_at
             if await self._bring_up(replica):
                 log.warning("replica %s is in sync again (its last error, at %s: %s)",
                             replica.spec, since, cleared)
+                told = ""
                 on_change()
             else:
-                log.info("replica %s still unusable: %s", replica.spec, replica.last_error)
+                why = replica.last_error or ""
+                if why != told:
+                    log.info("replica %s still unusable: %s", replica.spec, why)
+                    told = why
                 backoff = min(backoff * 2, self.max_reconnect)
 
     async def _until_retry(self, replica: Replica, delay: float) -> None:
