@@ -82,7 +82,10 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
         hdr = create_pool(pool, size, specs, token=token, token_file=args.token_file,
                           force=args.force, progress=_progress("mkfs"))
     except ProvisionError as e:
-        raise CliError(f"pool {pool} is made, but not all replicas: {e}") from None
+        left = "could not be removed again" in str(e)
+        raise CliError(f"mkfs of {pool} failed: {e}. The local pool was removed"
+                       + ("" if left else ", and so was every replica it made")
+                       + "; fix the cause and run mkfs again (no --force needed)") from None
     print(f"created pool {pool}: {human(hdr.pool_size)}, uuid {hdr.uuid_str}, "
           f"{hdr.data_blocks} data blocks, log areas of {human(hdr.area_size)}"
           + "".join(f"\n  replica {s}" for s in specs))
@@ -455,6 +458,12 @@ def _unfinished_option(s: argparse.ArgumentParser) -> None:
                         "short (its content mixes two points in time)")
 
 
+def options_help() -> str:
+    from rpmemfs.mountd.options import options_help
+
+    return options_help()
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="rpmemfs", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -481,10 +490,9 @@ def build_parser() -> ArgumentParser:
     s.add_argument("pool")
     s.add_argument("mountpoint")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
-    s.add_argument("-o", action="append", metavar="OPT[,OPT...]",
-                   help="pmem=auto|force|msync, min_replicas=K, replica_timeout=S, commit=S "
-                        "(periodic durability point, default 5, 0 = off), token_file=F, log=FILE, "
-                        "debug, allow_other (README lists them all)")
+    s.add_argument("-o", action="append", metavar="OPT[,OPT...]", help="mount options, below")
+    s.formatter_class = argparse.RawDescriptionHelpFormatter
+    s.epilog = options_help()
 
     s = command("umount", cmd_umount, "unmount, and return once the daemon has closed the pool "
                 "and exited")

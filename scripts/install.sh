@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc)
-# The tests also run a real Prometheus server and promtool against the metrics and alert rules.
-for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus); done
+# The tests also run a real Prometheus server and promtool against the metrics and alert rules,
+# and systemd-analyze against the units.
+for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd); done
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -46,5 +47,10 @@ if [ "$system" = 1 ]; then
     echo "/sbin/umount.fuse is not ours: left alone; umount of an absolute path to an rpmemfs" \
          "mount will not wait for its daemon (rpmemfs umount does)" >&2
   fi
+  # The units (docs/operations.md): rpmemfs@NAME mounts /etc/rpmemfs/NAME.conf's pool,
+  # rpmemfs-target@NAME runs the target /etc/rpmemfs/target-NAME.conf describes.
+  install -d -m 755 /etc/rpmemfs /etc/systemd/system
+  install -m 644 mount/rpmemfs@.service mount/rpmemfs-target@.service /etc/systemd/system/
+  if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 fi
 .venv/bin/python -c "import rpmemfs.native as n; print('rpmemfs installed; cache flush:', n.flush_kind(), '; crc32c in hardware:', n.crc32c_hw())"

@@ -1,8 +1,14 @@
-"""Mount options: what `-o` (and fstab, and mount(8)'s helper) may say, checked once."""
+"""Mount options: what `-o` (and fstab, and mount(8)'s helper) may say, checked once.
+
+Each option is written once, in OPTIONS, with the help text that `rpmemfs mount --help` (and
+so `mount.rpmemfs --help`) prints: the list cannot fall behind what is accepted.
+"""
 
 from __future__ import annotations
 
 import os
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rpmemfs.durability.commit import DEFAULT_COMMIT, MAX_COMMIT
@@ -14,6 +20,7 @@ from rpmemfs.transport.address import parse_address
 # Options mount(8) and fstab hand every helper; they mean nothing to us.
 IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto", "user",
            "nouser", "async", "defaults", "_netdev", "nofail", "atime", "noatime", "relatime"}
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -34,6 +41,115 @@ class MountOptions:
     extra: list[str] = field(default_factory=list)
 
 
+def _pmem(mo: MountOptions, value: str) -> None:
+    if value not in PMEM_MODES:
+        raise MountError(f"pmem= must be one of {', '.join(PMEM_MODES)}, not {value!r}")
+    mo.pmem = value
+
+
+def _log_level(mo: MountOptions, value: str) -> None:
+    if value not in LOG_LEVELS:
+        raise MountError(f"log_level= must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+    mo.log_level = value
+
+
+def _min_replicas(mo: MountOptions, value: str) -> None:
+    if not value.isdigit():
+        raise MountError(f"min_replicas= needs a number, not {value!r}")
+    mo.min_replicas = int(value)
+
+
+def _seconds(value: str, name: str, low: float, high: float, low_ok: bool) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise MountError(f"{name}= needs seconds, not {value!r}") from None
+    if not ((low <= s) if low_ok else (low < s)) or s > high:
+        raise MountError(f"{name}= must be between {low:g}{' (off)' if low_ok else ''} and {high:g} seconds")
+    return s
+
+
+def _replica_timeout(mo: MountOptions, value: str) -> None:
+    mo.replica_timeout = _seconds(value, "replica_timeout", 0, 3600, False)
+
+
+def _commit(mo: MountOptions, value: str) -> None:
+    mo.commit = _seconds(value, "commit", 0, MAX_COMMIT, True)
+
+
+def _poll_us(mo: MountOptions, value: str) -> None:
+    # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
+    if not value.isdigit() or int(value) > MAX_POLL_US:
+        raise MountError(f"poll_us= needs microseconds from 0 to {MAX_POLL_US}, not {value!r}")
+    mo.poll_us = int(value)
+
+
+def _metrics(mo: MountOptions, value: str) -> None:
+    try:
+        parse_address(value, 0)
+    except ValueError as exc:
+        raise MountError(f"metrics= needs HOST:PORT: {exc}") from None
+    mo.metrics = value
+
+
+def _set(attr: str, value: object) -> Callable[[MountOptions, str], None]:
+    def apply(mo: MountOptions, _: str) -> None:
+        setattr(mo, attr, value)
+    return apply
+
+
+def _text(attr: str) -> Callable[[MountOptions, str], None]:
+    def apply(mo: MountOptions, value: str) -> None:
+        if not value:
+            raise MountError(f"{attr}= needs a value")
+        setattr(mo, attr, value)
+    return apply
+
+
+# name -> (takes a value, how to show it, what it does, how it is applied)
+OPTIONS: dict[str, tuple[bool, str, str, Callable[[MountOptions, str], None]]] = {
+    "pmem": (True, "pmem=auto|force|msync", "how stores are made durable: auto = cache flushes on a "
+             "DAX mapping (MAP_SYNC), else msync; force = flushes on any mapping (emulated pmem)", _pmem),
+    "min_replicas": (True, "min_replicas=K", "replicas in sync that fsync requires (default: all)",
+                     _min_replicas),
+    "replica_timeout": (True, "replica_timeout=S", "deadline of every network wait (default 10)",
+                        _replica_timeout),
+    "commit": (True, "commit=S", f"a durability point every S seconds when something changed "
+               f"(default {DEFAULT_COMMIT:g}, 0: off)", _commit),
+    "token_file": (True, "token_file=F", "token for the target daemons (default: the one recorded "
+                   "in the pool)", _text("token_file")),
+    "takeover": (False, "takeover", "claim the replicas even from a newer primary, fencing it "
+                 "(docs/failover.md)", _set("takeover", True)),
+    "noxattr": (False, "noxattr", "no extended attributes: saves the kernel's GETXATTR before each "
+                "write", _set("xattrs", False)),
+    "writeback_cache": (False, "writeback_cache", "let the kernel cache writes (off by default, by "
+                        "measurement: docs/benchmarks.md)", _set("writeback_cache", True)),
+    "poll_us": (True, "poll_us=US", f"poll /dev/fuse this long after a request instead of sleeping "
+                f"at once (default {DEFAULT_POLL_US}, 0: off)", _poll_us),
+    "allow_other": (False, "allow_other", "let other users in (the default when mounted by root)",
+                    _set("allow_other", True)),
+    "metrics": (True, "metrics=HOST:PORT", "serve Prometheus metrics at http://HOST:PORT/metrics",
+                _metrics),
+    "log": (True, "log=FILE", "log to FILE (default: stderr in the foreground, else syslog)",
+            _text("log_file")),
+    "log_level": (True, "log_level=LEVEL", f"{'|'.join(LOG_LEVELS)} (default warning)", _log_level),
+    "debug": (False, "debug", "the same as log_level=debug", _set("log_level", "debug")),
+}
+
+
+def options_help() -> str:
+    """Every option, one per line, as `rpmemfs mount --help` prints them."""
+    width = max(len(shown) for _, shown, _, _ in OPTIONS.values())
+    lines = ["mount options (-o OPT,OPT...; also in fstab):"]
+    for _, shown, text, _ in OPTIONS.values():
+        lines.append(textwrap.fill(text, 96, initial_indent=f"  {shown.ljust(width)}  ",
+                                   subsequent_indent=" " * (width + 4)))
+    lines.append(textwrap.fill(f"ignored, as mount(8) passes them to every helper: "
+                               f"{', '.join(sorted(IGNORED))}, x-*", 96, initial_indent="  ",
+                               subsequent_indent="  "))
+    return "\n".join(lines)
+
+
 def parse_options(opts: list[str]) -> MountOptions:
     mo = MountOptions()
     for group in opts:
@@ -41,57 +157,12 @@ def parse_options(opts: list[str]) -> MountOptions:
             opt = opt.strip()
             if not opt or opt in IGNORED or opt.startswith("x-"):
                 continue
-            key, _, value = opt.partition("=")
-            if key == "pmem":
-                if value not in PMEM_MODES:
-                    raise MountError(f"pmem= must be one of {', '.join(PMEM_MODES)}, not {value!r}")
-                mo.pmem = value
-            elif key == "debug":
-                mo.log_level = "debug"
-            elif key == "log_level":
-                mo.log_level = value
-            elif key == "log":
-                mo.log_file = value
-            elif key == "writeback_cache":
-                # Off by default, by measurement: see docs/benchmarks.md.
-                mo.writeback_cache = True
-            elif key == "noxattr":
-                mo.xattrs = False
-            elif key == "takeover":
-                mo.takeover = True
-            elif key == "allow_other":
-                mo.allow_other = True
-            elif key == "min_replicas":
-                if not value.isdigit():
-                    raise MountError(f"min_replicas= needs a number, not {value!r}")
-                mo.min_replicas = int(value)
-            elif key == "replica_timeout":
-                try:
-                    mo.replica_timeout = float(value)
-                except ValueError:
-                    raise MountError(f"replica_timeout= needs seconds, not {value!r}") from None
-                if not 0 < mo.replica_timeout <= 3600:
-                    raise MountError("replica_timeout= must be between 0 and 3600 seconds")
-            elif key == "commit":
-                try:
-                    mo.commit = float(value)
-                except ValueError:
-                    raise MountError(f"commit= needs seconds, not {value!r}") from None
-                if not 0 <= mo.commit <= MAX_COMMIT:
-                    raise MountError(f"commit= must be between 0 (off) and {MAX_COMMIT:g} seconds")
-            elif key == "poll_us":
-                # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
-                if not value.isdigit() or int(value) > MAX_POLL_US:
-                    raise MountError(f"poll_us= needs microseconds from 0 to {MAX_POLL_US}, not {value!r}")
-                mo.poll_us = int(value)
-            elif key == "token_file":
-                mo.token_file = value
-            elif key == "metrics":
-                try:
-                    parse_address(value, 0)
-                except ValueError as exc:
-                    raise MountError(f"metrics= needs HOST:PORT: {exc}") from None
-                mo.metrics = value
-            else:
-                raise MountError(f"unknown mount option {opt!r}")
+            key, eq, value = opt.partition("=")
+            known = OPTIONS.get(key)
+            if known is None:
+                raise MountError(f"unknown mount option {opt!r} (rpmemfs mount --help lists them)")
+            takes_value, shown, _, apply = known
+            if takes_value != bool(eq):
+                raise MountError(f"mount option {opt!r}: write it as {shown}")
+            apply(mo, value)
     return mo

@@ -12,6 +12,7 @@ from rpmemfs import logs
 from rpmemfs.mountd.daemon import Mounted
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.options import MountOptions, parse_options
+from rpmemfs.sdnotify import notify
 
 
 def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
@@ -19,9 +20,15 @@ def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
     logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
     if foreground:
         m = Mounted(pool, mountpoint, mo)
+
+        def ready() -> None:
+            # A Type=notify unit (mount/rpmemfs@.service) is started once the pool is mounted.
+            notify("READY=1", f"STATUS=serving {m.pool} at {m.mountpoint}")
+
         try:
-            trio.run(m.serve)
+            trio.run(m.serve, ready)
         finally:
+            notify("STOPPING=1")
             m.finish()
         return 0
     return _daemonize(pool, mountpoint, mo)

@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs.sdnotify import notify
 from rpmemfs.target.admission import (
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_PEER,
@@ -98,6 +99,7 @@ class Server:
                 stop_metrics = self._serve_metrics()
                 # Announced only now, so whoever waits for the line may signal us right away.
                 address = announce(listener)
+                notify("READY=1", f"STATUS=serving {self.config.pool_dir} on {address}")
                 log.info(
                     "target on %s serving %s: method %s, pmem %s, %s",
                     address, self.config.pool_dir, self.config.method, self.config.pmem_kind,
@@ -113,6 +115,7 @@ class Server:
                 finally:
                     stop_metrics()
         finally:
+            notify("STOPPING=1")
             listener.close()
             self.store.close_all()
             log.info("target stopped; pools persisted and closed")

@@ -58,7 +58,9 @@ Try, in another shell:
   python3 -c "import os; f=os.open('{mnt}/x', os.O_CREAT|os.O_WRONLY); os.write(f, b'hi'); os.fsync(f)"
   {exe} status {mnt}     # replicas, their method, barriers and flushes
 Press Ctrl-C here to unmount and stop everything (the pools stay; run the demo again to remount).
-Afterwards `cmp {pool} {directory}/target1/demo` shows the replica is the same pool.
+Afterwards `{exe} verify {pool}` compares the pool with both replicas, chunk by chunk (cmp
+would show them differ only at the end: the local pool's sync map, its own record of what each
+replica misses, is not replicated).
 """, flush=True)
         stop = False
 
