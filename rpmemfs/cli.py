@@ -92,6 +92,27 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_grow(args: argparse.Namespace) -> int:
+    from rpmemfs.replica.grow import GrowError, grow_pool
+
+    if os.path.isdir(args.pool) or _mounted_from(args.pool):
+        raise CliError(f"{args.pool} is mounted (or is a directory): unmount the pool and grow the "
+                       "pool file; growing a mounted pool is not supported")
+    if not os.path.isfile(args.pool):
+        raise CliError(f"pool {args.pool} does not exist or is not a file")
+    try:
+        size = parse_size(args.size)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    try:
+        hdr = grow_pool(args.pool, size, lambda recorded: _token(args.token_file or recorded))
+    except GrowError as e:
+        raise CliError(str(e)) from None
+    print(f"grew {args.pool} to {human(hdr.pool_size)}: {hdr.data_blocks} data blocks; its replicas "
+          "grew too and are compared in full at the next mount")
+    return 0
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     from rpmemfs.mountd.start import run
 
@@ -485,6 +506,11 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--replica", action="append", metavar="HOST:PORT/NAME",
                    help="make a replica pool NAME on the target daemon at HOST:PORT")
     s.add_argument("--token-file", help="shared token for the target daemons")
+
+    s = command("grow", cmd_grow, "grow an unmounted pool and its replicas")
+    s.add_argument("pool")
+    s.add_argument("--size", required=True, help="the new size, e.g. 8G")
+    s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
 
     s = command("mount", cmd_mount, "mount a pool")
     s.add_argument("pool")

@@ -91,6 +91,8 @@ class ControlService:
                 return {"ok": True, "pools": self.listing()}
             if op == "evict":
                 return self._evict(session, request)
+            if op == "grow":
+                return await self._grow(request)
             if op == "resync":
                 return self._resync(session, request)
             if op == "close":
@@ -312,6 +314,13 @@ class ControlService:
                         name, old_session.peer, show_epoch(epoch))
             self._sessions.unregister(old_session, old_key)
         self._writers[name] = (session, region.key)
+
+    async def _grow(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Grow a pool no session has open (`rpmemfs grow` grows the replicas before the
+        primary). The initiator writes the bigger pool's header with its next barriers."""
+        name = check_name(request.get("name"))
+        grew = await trio.to_thread.run_sync(self._store.grow_file, name, request.get("size"))
+        return {"ok": True, "grown": grew}
 
     def _resync(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         """Mark (``"active": true``, durably, before the first resync write lands) or clear the

@@ -200,6 +200,41 @@ class PoolStore:
         os.close(fd)
         log.info("pool %s created (%d bytes)", name, size)
 
+    def grow_file(self, name: str, size: object) -> bool:
+        """Grow pool ``name`` to ``size`` bytes (blocking: run it in a thread); False when it
+        is that size already. Only a pool no session has open: a mapping is not resized under
+        a lane."""
+        if not isinstance(size, int) or isinstance(size, bool) or size % PAGE:
+            raise PoolError(f"pool size must be a multiple of {PAGE} bytes", "size")
+        if size > self.max_pool_size:
+            raise PoolError(f"pool size {size} ({human(size)}) exceeds this target's limit of "
+                            f"{self.max_pool_size} ({human(self.max_pool_size)})", "size")
+        path = pool_path(self.pool_dir, name, must_exist=True)
+        if name in self._open:
+            raise PoolError(f"pool {name!r} is open; it grows only when no session has it open", "busy")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise PoolError(f"pool {name!r} is not a regular file", "io")
+            if size < st.st_size:
+                raise PoolError(f"pool {name!r} is {st.st_size} bytes; pools only grow", "size")
+            if size == st.st_size:
+                return False
+            if size - st.st_size > shutil.disk_usage(self.pool_dir).free:
+                raise PoolError(f"not enough free space in {self.pool_dir} to grow pool {name!r} "
+                                f"to {human(size)}", "no-space")
+            try:
+                os.posix_fallocate(fd, st.st_size, size - st.st_size)
+                os.fsync(fd)
+            except OSError as exc:
+                os.ftruncate(fd, st.st_size)
+                raise PoolError(f"cannot grow pool {name!r}: {exc.strerror}", "no-space") from exc
+        finally:
+            os.close(fd)
+        log.info("pool %s grown to %d bytes", name, size)
+        return True
+
     def open(self, name: str) -> Pool:
         """The pool, mapped, with one more reference."""
         pool = self._open.get(name)

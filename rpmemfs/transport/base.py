@@ -182,6 +182,9 @@ class Session(Protocol):
         begins, or that it ended: a replica between the two holds parts of two points in time,
         and whoever would copy it (promote, recover) must be told."""
 
+    async def grow_pool(self, name: str, size: int) -> None:
+        """Grow a pool no session has open to ``size`` bytes (a no-op at that size already)."""
+
     async def close_pool(self, region: RemoteRegion) -> None: ...
 
     async def remove_pool(self, name: str) -> None: ...

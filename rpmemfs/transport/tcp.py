@@ -387,6 +387,9 @@ class TcpSession:
     async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
         await self.control({"op": "resync", "key": region.key, "active": active})
 
+    async def grow_pool(self, name: str, size: int) -> None:
+        await self.control({"op": "grow", "name": name, "size": size})
+
     async def close_pool(self, region: RemoteRegion) -> None:
         await self.control({"op": "close", "key": region.key})
 

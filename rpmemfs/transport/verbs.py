@@ -729,6 +729,9 @@ class VerbsSession:
     async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
         await self._control.mark_resync(region, active)
 
+    async def grow_pool(self, name: str, size: int) -> None:
+        await self._control.grow_pool(name, size)
+
     async def close_pool(self, region: RemoteRegion) -> None:
         await self._control.close_pool(region)
 

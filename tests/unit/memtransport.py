@@ -329,6 +329,11 @@ class MemSession:
         self.target.owners[region.name] = replace(owner, resync=marker)
         self.target.ops.append(("resync", region.name, int(active), 0))
 
+    async def grow_pool(self, name: str, size: int) -> None:
+        self.check()
+        pool = self.target.pools[name]
+        pool.extend(bytes(size - len(pool)))
+
     async def close_pool(self, region: RemoteRegion) -> None:
         self.check()
 
