@@ -100,6 +100,9 @@ class PoolMapping:
         # cost more than the flushes it serves.
         self._base = ffi.from_buffer(mm)
         self._closed = False
+        # How persists were done (status shows them): cache-line flushes and a fence, or msync.
+        self.flushes = 0
+        self.msyncs = 0
 
     @property
     def base(self) -> object:
@@ -157,9 +160,11 @@ class PoolMapping:
             # cffi turns the list into a temporary uint64_t array for the one call.
             lib.rpm_flush_ranges(self._base, pairs, len(pairs) >> 1)
             lib.rpm_drain()
+            self.flushes += 1
         else:
             for start, end in _page_spans(pairs, self.size):
                 self._mm.flush(start, end - start)
+            self.msyncs += 1
 
     def persist(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Make the (offset, length) ranges durable; returns once they are."""
@@ -200,6 +205,7 @@ class PoolMapping:
             lib.rpm_persist_then_store(
                 self._base, pairs, len(pairs) >> 1, offset, ffi.from_buffer(data), n
             )
+            self.flushes += 1
             return
         if pairs:
             self._persist_pairs(pairs)

@@ -75,7 +75,7 @@ run_tests() {  # KERNEL (empty: the default) PYTHON PYTEST-ARGS...
     local kernel=$1 python=$2
     shift 2
     echo "verbs tests: kernel ${kernel:-$(cat vm/kernel/default)}, $python" >&2
-    env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" vm/run.sh "$python" -m pytest -q -p no:cacheprovider \
+    env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" VM_NVDIMM="${VM_NVDIMM:-256}" vm/run.sh "$python" -m pytest -q -p no:cacheprovider \
         tests/verbs tests/e2e/test_lanes.py -k "rdma or not test_lanes" "$@"
 }
 rc=0

@@ -83,10 +83,32 @@ done
 has_gid rxe0 $IP_A && has_gid rxe1 $IP_B || fail "rxe0/rxe1 have no IPv4 GID"
 mark ready
 
+# An emulated NVDIMM (vm/run.sh VM_NVDIMM=MiB): ext4 on /dev/pmem0, mounted with -o dax.
+pmem_dir=
+if [ -e "$JOB/nvdimm" ]; then
+    modprobe -a nfit nd_pmem dax_pmem 2>/dev/null || modprobe -a nfit nd_pmem || fail "cannot load the NVDIMM drivers"
+    for _ in {1..100}; do [ -e /sys/bus/nd/devices/namespace0.0 ] && break; sleep 0.1; done
+    # The NVDIMM's namespace starts raw, where ext4 cannot use DAX (no struct pages for it):
+    # give it labels and make it fsdax, with its page map in RAM (the NVDIMM is small).
+    read -r nv_mib < "$JOB/nvdimm"
+    { ndctl disable-region all && ndctl init-labels -f all && ndctl enable-region all &&
+      ndctl create-namespace -m fsdax -M mem -a 2M -s "$((nv_mib - 16))M"; } > "$JOB/ndctl.log" 2>&1 ||
+        fail "ndctl cannot make an fsdax namespace"
+    for _ in {1..100}; do [ -b /dev/pmem0 ] && break; sleep 0.1; done
+    [ -b /dev/pmem0 ] || fail "no /dev/pmem0 from the emulated NVDIMM"
+    modprobe ext4 || fail "cannot load ext4"
+    mkfs.ext4 -q -F -b 4096 /dev/pmem0 || fail "mkfs.ext4 on /dev/pmem0 failed"
+    mkdir -p /mnt/pmem
+    mount -o dax /dev/pmem0 /mnt/pmem || { dmesg | tail -5; fail "cannot mount /dev/pmem0 with -o dax"; }
+    pmem_dir=/mnt/pmem
+    mark pmem
+fi
+
 # The caller's environment, then ours on top.
 # shellcheck disable=SC1091
 source "$JOB/env"
 export RXE_VM=1 RXE_DEV_A=rxe0 RXE_DEV_B=rxe1 RXE_IP_A=$IP_A RXE_IP_B=$IP_B
+[ -n "$pmem_dir" ] && export RPMEMFS_PMEM_DIR=$pmem_dir
 ulimit -l unlimited   # registered memory is locked memory
 read -r cwd < "$JOB/cwd"
 cd "$cwd" || fail "no directory $cwd in the guest"

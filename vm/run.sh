@@ -16,6 +16,9 @@
 #        VM_BOOT_RETRIES=2                  VM_MEM=2048 (MiB)   VM_SMP=$(nproc)
 #        VM_KERNEL=<version under vm/kernel> VM_ACCEL=auto|tcg|kvm
 #        VM_RW=dir1:dir2 (more read-write directories)   VM_DEBUG=1 (kernel log, set -x)
+#        VM_NVDIMM=MiB (an emulated NVDIMM of that size, backed by a sparse file of the job: the
+#        guest sees /dev/pmem0, makes ext4 on it, mounts it with -o dax at /mnt/pmem and exports
+#        RPMEMFS_PMEM_DIR=/mnt/pmem)
 set -uo pipefail
 VM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$VM_DIR")
@@ -87,9 +90,23 @@ for d in "$REPO" "${extra[@]}"; do
     n=$((n + 1))
 done
 
+# An NVDIMM (QEMU's nvdimm device, ACPI NFIT) backed by a file: the guest's libnvdimm turns it
+# into /dev/pmem0, on which ext4 with -o dax gives real MAP_SYNC mappings.
+mem=${VM_MEM:-2048}
+machine=()
+memory=(-m "$mem")
+if [ -n "${VM_NVDIMM:-}" ]; then
+    [[ $VM_NVDIMM =~ ^[0-9]+$ ]] || cannot_start "VM_NVDIMM must be a size in MiB"
+    truncate -s "${VM_NVDIMM}M" "$JOB/nvdimm.img" || cannot_start "cannot make the NVDIMM's backing file"
+    echo "$VM_NVDIMM" > "$JOB/nvdimm"
+    machine=(-machine pc,nvdimm=on)
+    memory=(-m "$mem,slots=2,maxmem=$((mem + VM_NVDIMM))M"
+            -object "memory-backend-file,id=nv0,share=on,mem-path=$(qesc "$JOB/nvdimm.img"),size=${VM_NVDIMM}M"
+            -device nvdimm,id=nvdimm0,memdev=nv0,label-size=128K)
+fi
 if [ "$DEBUG" = 1 ]; then klog="loglevel=7"; else klog="quiet loglevel=3"; fi
 # mitigations=off: the guest's Spectre/Meltdown defences only cost time under emulation.
-qemu=(qemu-system-x86_64 "${cpu[@]}" -m "${VM_MEM:-2048}" -smp "${VM_SMP:-$(nproc)}"
+qemu=(qemu-system-x86_64 "${cpu[@]}" "${machine[@]}" "${memory[@]}" -smp "${VM_SMP:-$(nproc)}"
       -nodefaults -no-user-config -display none -no-reboot
       -kernel "$kimage" -initrd "$kdir/initramfs.cpio.gz"
       -append "console=ttyS0 panic=-1 mitigations=off $klog"

@@ -127,6 +127,7 @@ class Mounted:
             "inodes": len(fs.inodes),
             "pmem_mode": self.mapping.kind,
             "pmem_requested": self.mapping.requested,
+            "persists": {"flush_fence": self.mapping.flushes, "msync": self.mapping.msyncs},
             "fsync_count": self.durability.stats.fsyncs,
             "fsync_latency_us": self.durability.stats.percentiles(),
             "poll_us": self.ops.poller.budget_us,

@@ -7,6 +7,7 @@ connection stays up: bad input in a request is not a framing violation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -138,7 +139,13 @@ class ControlService:
         name = check_name(request.get("name"))
         # fallocate of a large pool takes a while; the other connections are served meanwhile.
         await trio.to_thread.run_sync(self._store.create_file, name, request.get("size"))
-        return self._open(session, request)
+        try:
+            return self._open(session, request)
+        except BaseException:
+            # Made here and unusable (it cannot be registered, say): not left for a retry to trip on.
+            with contextlib.suppress(PoolError, OSError):
+                self._store.remove(name)
+            raise
 
     def _owner(self, name: str, header_epoch: int | None) -> Owner | None:
         """The pool's recorded owner; for a pool without a record, the epoch in its header."""
@@ -260,7 +267,14 @@ class ControlService:
                 reply.update(self.verbs.register(session, region.key))
             except Exception as exc:
                 self._sessions.unregister(session, region.key)
-                raise PoolError(f"pool {name!r}: cannot register it for RDMA: {exc}", "no-rdma") from None
+                why = f"pool {name!r}: cannot register it for RDMA: {exc}"
+                if region.pool.mapping.kind == "dax" and "Errno: 95" in str(exc):
+                    # Linux refuses long-term pins of file-system DAX pages (a truncate could
+                    # pull them from under the NIC): only ODP-capable NICs or device DAX work.
+                    why += (" (Linux refuses to pin file-system DAX memory for RDMA: put pools on "
+                            "a device-DAX or non-DAX file system, use a NIC with on-demand paging, "
+                            "or reach this target over tcp://; docs/verbs.md)")
+                raise PoolError(why, "no-rdma") from None
         return reply
 
     async def _checksum(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
