@@ -193,6 +193,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     return int(h)
 
 
+def cmd_replica(args: argparse.Namespace) -> int:
+    from rpmemfs.mountinfo import mount_at
+
+    here = os.path.abspath(args.mountpoint)
+    entry = mount_at(os.path.join(os.path.realpath(os.path.dirname(here)), os.path.basename(here)))
+    if entry is None or entry.fstype != "fuse.rpmemfs":
+        raise CliError(f"{args.mountpoint} is not an rpmemfs mount point: replicas are added to and "
+                       "removed from a mounted pool")
+    words = ["replica", args.action, args.replica] + (["force"] if args.force else [])
+    reply = _ask_mount(entry.mountpoint, " ".join(words), f"replica {args.action}")
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    elif args.action == "add":
+        how = "created" if reply.get("created") else "an existing copy, compared"
+        sent = (reply.get("resync") or {}).get("bytes_sent", 0)
+        print(f"replica {reply['added']} added ({how}; {human(int(sent))} sent) and in sync")
+    else:
+        print(f"replica {reply['removed']} removed; replicas now: {', '.join(reply['replicas']) or 'none'}")
+    return 0
+
+
 def cmd_flush(args: argparse.Namespace) -> int:
     if not os.path.ismount(args.mountpoint):
         raise CliError(f"{args.mountpoint} is not a mount point")
@@ -532,6 +553,15 @@ def build_parser() -> ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
     s.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
+
+    s = command("replica", cmd_replica, "add a replica to a mounted pool (it is created or compared, "
+                "resynced, and joins when in sync) or remove one")
+    s.add_argument("action", choices=("add", "remove"))
+    s.add_argument("mountpoint")
+    s.add_argument("replica", metavar="[tcp://|rdma://]HOST:PORT/NAME")
+    s.add_argument("--force", action="store_true",
+                   help="remove even if fewer than min_replicas would be left in sync")
+    s.add_argument("--json", action="store_true")
 
     s = command("flush", cmd_flush, "make everything written so far durable now, locally and on "
                 "the replicas (what `sync -f` cannot ask of a FUSE filesystem)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from rpmemfs.latency import BOUNDS_S, Snapshot
+from rpmemfs.mountd.status import health as mount_health
 from rpmemfs.transport.address import parse_address
 
 log = logging.getLogger("rpmemfs.metrics")
@@ -93,7 +95,7 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         yield g
     health = GaugeMetricFamily("rpmemfs_health", "0 healthy, 1 degraded (not every replica in sync), "
                                "2 failing (fsync returns EIO)")
-    health.add_metric([], float(st["health_code"]))
+    health.add_metric([], float(mount_health(st)[0]))
     yield health
     fenced = GaugeMetricFamily("rpmemfs_fenced", "1 when another primary took the replicas over")
     fenced.add_metric([], 1.0 if st.get("fenced") else 0.0)
@@ -104,6 +106,7 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
     yield fsyncs
 
     replicas: list[dict[str, Any]] = st.get("replicas") or []
+    now = time.time()
     labels = ["replica"]
     state = GaugeMetricFamily("rpmemfs_replica_state", "1 for the replica's current state",
                               labels=["replica", "state"])
@@ -129,7 +132,7 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         lb = r.get("lag_bytes")
         lag.add_metric(v, float(lb) if isinstance(lb, int) else math.nan)
         since = r.get("behind_since")
-        behind.add_metric(v, max(0.0, st["now"] - since) if isinstance(since, (int, float)) else 0.0)
+        behind.add_metric(v, max(0.0, now - since) if isinstance(since, (int, float)) else 0.0)
         sent.add_metric(v, float(r.get("bytes") or 0))
         barriers.add_metric(v, float(r.get("barriers") or 0))
         resyncs.add_metric(v, float(r.get("resyncs") or 0))
@@ -178,6 +181,12 @@ def target_families(st: dict[str, Any]) -> Iterator[Metric]:
         owner = p.get("owner") or {}
         unfinished.add_metric([name], 1.0 if owner.get("resync") else 0.0)
     yield from (*counters.values(), size, open_, unfinished)
+
+
+def serve_snapshots(address: str, snapshot: Callable[[], dict[str, Any]],
+                    families: Callable[[dict[str, Any]], Iterator[Metric]]) -> Callable[[], None]:
+    """Serve the families of a daemon's snapshots (called from its trio thread)."""
+    return serve(address, SnapshotCollector(snapshot, trio.lowlevel.current_trio_token(), families))
 
 
 def serve(address: str, collector: Collector) -> Callable[[], None]:

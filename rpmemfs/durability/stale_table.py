@@ -27,6 +27,11 @@ class StaleTable:
         self._token_file = token_file
         self.stale = stale  # "ADDR/NAME" of the replicas the table names stale
 
+    def rewrite(self, replicas: Iterable[Replica]) -> Ranges:
+        """Write the table now (its replica list changed); the ranges written."""
+        self.stale = {str(r.spec) for r in replicas if r.state != ReplicaState.IN_SYNC}
+        return write_table(self._buf, self._specs, self._token_file, sorted(self.stale))
+
     def update(self, replicas: Iterable[Replica]) -> Ranges:
         """Write the table if the set of out-of-sync replicas changed; the ranges written
         (to persist, and to carry to the replicas), else nothing."""

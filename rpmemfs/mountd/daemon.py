@@ -20,6 +20,7 @@ from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
+from rpmemfs.mountd.membership import Membership
 from rpmemfs.mountd.options import MountOptions
 from rpmemfs.mountd.unmount import Ending
 from rpmemfs.pmem import PmemError, PoolMapping
@@ -82,6 +83,8 @@ class Mounted:
         if table.problem:
             log.warning("replica table: %s", table.problem)
         self.specs = poolset_specs if poolset_specs is not None else table.replicas
+        self.from_poolset = poolset_specs is not None
+        self.membership: Membership | None = None  # connect_replicas makes it
         self.token_file = mo.token_file or table.token_file
         self.table_token_file = table.token_file
         # Replicas that missed barriers: the table says so to anyone who reads the pool; the
@@ -261,6 +264,26 @@ class Mounted:
         # The new epoch reaches the replicas with the first durability point.
         self.durability = Durability(self.fs, self.mapping, rs, table, carry=self.header_ranges)
         self.durability.note_replicas()
+        self.membership = Membership(self.pool, self.specs, rs, self.durability, table, self.mapping.buf,
+                                     self.fs.hdr.uuid, (self.prev_epoch, epoch), token,
+                                     self.mo.replica_timeout, self.table_token_file,
+                                     self._set_min_replicas, self.mo.min_replicas is None)
+
+    def _set_min_replicas(self, n: int) -> None:
+        self.min_replicas = n
+        if self.replicas is not None:
+            self.replicas.min_replicas = n
+
+    async def _replica(self, args: list[str], send: control.Send) -> dict[str, Any]:
+        """`rpmemfs replica add|remove MOUNTPOINT ADDRESS/NAME [--force]` (membership.py)."""
+        if self.from_poolset:
+            return {"error": f"{self.pool} was mounted from a pool-set file, which lists its replicas: "
+                             "edit that file and mount again"}
+        if self.membership is None:
+            why = f"fenced ({self.fenced})" if self.fenced else "mounted without replicas"
+            return {"error": f"{self.pool} is {why}: replicas can be added only to a mount that has "
+                             "some; unmount it, and make the pool again with mkfs --replica"}
+        return await self.membership.request(args, send, self.min_replicas)
 
     def control_handlers(self) -> dict[str, control.Handler]:
         async def status(args: list[str], send: control.Send) -> dict[str, Any]:
@@ -268,7 +291,7 @@ class Mounted:
 
         assert self.ending is not None
         return {"status": status, "verify": self._verify, "sync": self._sync,
-                "umount": self.ending.umount, "flush": self._flush}
+                "umount": self.ending.umount, "flush": self._flush, "replica": self._replica}
 
     async def _flush(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs flush MOUNTPOINT`: a durability point now, local and on the replicas (what
@@ -412,12 +435,10 @@ class Mounted:
     def _serve_metrics(self) -> Callable[[], None]:
         if self.mo.metrics is None:
             return lambda: None
-        from rpmemfs.metrics import SnapshotCollector, mount_families, serve
+        from rpmemfs.metrics import mount_families, serve_snapshots
 
-        collector = SnapshotCollector(self.metrics_snapshot, trio.lowlevel.current_trio_token(),
-                                      mount_families)
         try:
-            return serve(self.mo.metrics, collector)
+            return serve_snapshots(self.mo.metrics, self.metrics_snapshot, mount_families)
         except OSError as e:
             # Metrics are for watching the mount, not a reason to refuse it.
             log.error("metrics: cannot serve on %s: %s", self.mo.metrics, e.strerror or e)
@@ -425,15 +446,10 @@ class Mounted:
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """describe() and the latency histograms, taken together (on the trio thread)."""
-        from rpmemfs.mountd.status import health
-
-        st = self.describe()
-        st["health_code"] = int(health(st)[0])
-        st["fsync_histogram"] = self.durability.stats.histogram.snapshot()
-        st["replica_histograms"] = ({f"{r.spec.address}/{r.spec.name}": r.latency.snapshot()
-                                     for r in self.replicas.replicas} if self.replicas else {})
-        st["now"] = time.time()
-        return st
+        hists = {f"{r.spec.address}/{r.spec.name}": r.latency.snapshot()
+                 for r in (self.replicas.replicas if self.replicas else [])}
+        return {**self.describe(), "fsync_histogram": self.durability.stats.histogram.snapshot(),
+                "replica_histograms": hists}
 
     async def _last_barrier(self) -> None:
         """Unmounted: make everything durable everywhere, with a checkpoint if the log is long."""

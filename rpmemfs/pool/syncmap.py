@@ -188,6 +188,19 @@ class SyncMap:
             pending[byte] = 0
         return runs
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src`` becomes slot ``dst`` (a replica before it left the table): its bits
+        and flags, durably; ``src`` is left empty."""
+        self.pending[dst][:] = self.pending[src]
+        self.pending[src][:] = bytes(self.slot_bytes)
+        if self.enabled:
+            a, b = self._slot_off(src), self._slot_off(dst)
+            self.buf[b : b + self.slot_bytes] = self.buf[a : a + self.slot_bytes]
+            self.buf[a : a + self.slot_bytes] = bytes(self.slot_bytes)
+            self._persist([(b, self.slot_bytes), (a, self.slot_bytes)])
+        self.slot_flags[dst], self.slot_flags[src] = self.slot_flags[src], 0
+        self._write_head()
+
     def settle(self, slot: int) -> None:
         """The replica holds everything: clear its bits and its FULL flag, durably."""
         self.pending[slot][:] = bytes(self.slot_bytes)

@@ -54,7 +54,7 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
             session = await tp.connect(spec.address, token, lanes=lanes, timeout=timeout)
             if epoch is not None:
                 probe = read_probe(spec, await session.probe_pool(spec.name))
-                problem = _check_probe(probe, size, uuid, epoch, takeover)
+                problem = check_probe(probe, size, uuid, epoch, takeover)
                 replica.resync_marked = probe.resync is not None
             replica.claimed = epoch is not None
             if problem is None:
@@ -77,7 +77,7 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
     raise ReplicaUnusable(problem)
 
 
-def _check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int],
+def check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int],
                  takeover: bool = False) -> str | None:
     """Why claiming this replica would be wrong, from what its target said, or None."""
     if p.size is not None and p.size != size:

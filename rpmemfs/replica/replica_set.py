@@ -28,6 +28,7 @@ from rpmemfs.replica.barriers import (
     ReplicaError,
 )
 from rpmemfs.replica.connect import Connect, ReplicaUnusable, bring_up, open_session, show_uuid
+from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.live_verify import VERIFY_ROUNDS, repair_live, verify_live
 from rpmemfs.replica.remote import create_remote
 from rpmemfs.replica.replica import IN_SYNC, Replica
@@ -89,6 +90,10 @@ class ReplicaSet(Barriers):
         self._connect: Connect | None = None
         # Bytes compared or copied by resyncs, for a progress bar.
         self.progress: Callable[[int], None] = lambda n: None
+        # Where keep() runs each replica's keeper, so that a replica added later gets one.
+        self._keepers: trio.Nursery | None = None
+        self._keeper_scopes: dict[int, trio.CancelScope] = {}  # id(replica) -> its keeper's scope
+        self._on_change: Callable[[], None] = lambda: None
 
     create_remote = staticmethod(create_remote)
 
@@ -152,9 +157,76 @@ class ReplicaSet(Barriers):
         """Reconnect replicas that fell behind, for as long as the mount lives; ``on_change``
         is called whenever one falls behind or is back in sync (the mount records which
         replicas are stale in the pool)."""
+        self._on_change = on_change
         async with trio.open_nursery() as nursery:
+            self._keepers = nursery
             for replica in self.replicas:
-                nursery.start_soon(self._keeper, replica, on_change)
+                self._start_keeper(replica)
+            await trio.sleep_forever()
+
+    def _start_keeper(self, replica: Replica) -> None:
+        assert self._keepers is not None
+        scope = trio.CancelScope()
+        self._keeper_scopes[id(replica)] = scope
+
+        async def run() -> None:
+            with scope:
+                await self._keeper(replica, self._on_change)
+
+        self._keepers.start_soon(run)
+
+    # ---------------------------------------------------------------- membership
+
+    async def add(self, spec: ReplicaSpec) -> Replica:
+        """A new replica, in the next slot, stale and compared in full: its keeper (keep()
+        must be running) claims it, resyncs it and lets it join. Barriers are not held up:
+        it joins as every resync does, under the barrier lock at its last pass."""
+        if self._keepers is None:
+            raise ReplicationError("replicas can be added only while the set keeps its replicas")
+        async with self.lock:
+            replica = Replica(spec, len(self.replicas))
+            if self.syncmap is not None:
+                self.syncmap.set_full(replica.slot)
+            self.replicas.append(replica)
+            self._start_keeper(replica)
+        return replica
+
+    async def remove(self, replica: Replica) -> None:
+        """Take ``replica`` out: no barrier is in flight to it when this returns; its keeper
+        is stopped and its session closed; the replicas after it move down a slot (their
+        sync map bits with them), so slots stay the replica table's order."""
+        async with self.lock:
+            await self.drain()
+            index = self.replicas.index(replica)
+            del self.replicas[index]
+            if len(self.replicas) < self.min_replicas:
+                self.min_replicas = len(self.replicas)
+            self._stop_keeper(replica)
+            # A replica that moves while it resyncs would go on with its old slot: its resync
+            # is stopped, and it starts again, compared in full, from its new slot.
+            restart = [r for r in self.replicas[index:] if r.state is not IN_SYNC]
+            for r in restart:
+                self._stop_keeper(r)
+            for r in self.replicas[index:]:
+                if self.syncmap is not None:
+                    self.syncmap.move(r.slot, r.slot - 1)
+                r.slot -= 1
+            if self.syncmap is not None:
+                self.syncmap.settle(len(self.replicas))  # the freed last slot, empty
+            for r in restart:
+                r.fail(f"moved to slot {r.slot} while another replica was removed")
+                if self.syncmap is not None:
+                    self.syncmap.set_full(r.slot)
+        await replica.aclose(self.timeout)
+        for r in restart:
+            await r.aclose(self.timeout)
+            if self._keepers is not None:  # (else nobody keeps replicas: nothing to restart)
+                self._start_keeper(r)
+
+    def _stop_keeper(self, replica: Replica) -> None:
+        scope = self._keeper_scopes.pop(id(replica), None)
+        if scope is not None:
+            scope.cancel()
 
     async def _keeper(self, replica: Replica, on_change: Callable[[], None]) -> None:
         backoff = self.reconnect_interval

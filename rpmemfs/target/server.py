@@ -123,12 +123,10 @@ class Server:
     def _serve_metrics(self) -> Callable[[], None]:
         if self.config.metrics is None:
             return lambda: None
-        from rpmemfs.metrics import SnapshotCollector, serve, target_families
+        from rpmemfs.metrics import serve_snapshots, target_families
 
-        collector = SnapshotCollector(self.metrics_snapshot, trio.lowlevel.current_trio_token(),
-                                      target_families)
         try:
-            return serve(self.config.metrics, collector)
+            return serve_snapshots(self.config.metrics, self.metrics_snapshot, target_families)
         except OSError as exc:
             raise SystemExit(f"rpmemfs: cannot serve metrics on {self.config.metrics}: "
                              f"{exc.strerror or exc}") from None

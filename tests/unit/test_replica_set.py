@@ -673,3 +673,68 @@ def test_a_cut_link_during_a_live_repair_holds_barriers_no_longer_than_the_timeo
         await rs.aclose()
 
     run(main)
+
+
+# ------------------------------------------------------------------ membership
+
+
+def test_a_replica_added_is_compared_resynced_and_joins_while_barriers_go_on() -> None:
+    async def main() -> None:
+        rig = Rig(3)
+        third = rig.specs.pop()  # the pool starts with two; the third target holds a stale copy
+        rs = await ReplicaSet.open(rig.specs, rig.local, rig.hdr.uuid, None, lanes=2, timeout=TIMEOUT,
+                                   transport=rig.transport, syncmap=rig.syncmap)
+        rs.probe = rig.transport.probe
+        rs.reconnect_interval = 0.05
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await trio.sleep(0.1)
+            changed = [data(rig.hdr, 3), data(rig.hdr, 40)]
+            rig.scribble(changed)
+            await rs.barrier(changed)
+            replica = await rs.add(third)
+            assert replica.slot == 2 and rig.syncmap.full(2)
+            for i in range(5):  # barriers meanwhile: never waiting on the new one
+                more = [data(rig.hdr, 60 + i)]
+                rig.scribble(more)
+                await rs.barrier(more)
+            await until(lambda: replica.state == "in-sync")
+            assert rig.identical(2)
+            assert not rig.syncmap.full(2)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    trio.run(main)  # real time: a full compare checksums in a worker thread
+
+
+def test_removing_a_replica_moves_the_later_ones_down_a_slot_with_what_they_miss() -> None:
+    async def main() -> None:
+        rig = Rig(3)
+        rs = await rig.open(min_replicas=1)
+        rs.reconnect_interval = 0.05
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await trio.sleep(0.05)  # its keepers running
+            rig.targets[2].drop()
+            missed = [data(rig.hdr, 7)]
+            rig.scribble(missed)
+            await rs.barrier(missed)
+            assert states(rs) == ["in-sync", "in-sync", "stale"]
+            assert rig.syncmap.count(2) == 1
+            await rs.remove(rs.replicas[1])
+            assert [r.spec for r in rs.replicas] == [rig.specs[0], rig.specs[2]]
+            assert [r.slot for r in rs.replicas] == [0, 1]
+            # What the third one missed is the second slot's now (and it is compared in full).
+            assert rig.syncmap.full(1) and rig.syncmap.count(2) == 0 and not rig.syncmap.full(2)
+            rig.targets[2].restart()
+            await until(lambda: states(rs) == ["in-sync", "in-sync"])
+            assert rig.identical(2)
+            after = [data(rig.hdr, 9)]
+            rig.scribble(after)
+            mark = len(rig.targets[1].ops)
+            await rs.barrier(after)
+            assert rig.targets[1].writes(mark) == []  # the removed one gets nothing more
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    trio.run(main)  # real time: a full compare checksums in a worker thread
