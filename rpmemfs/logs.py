@@ -10,7 +10,8 @@ journal has one). Through syslog the handler sends the priority.
 
 A line that repeats (the same text but for its numbers, from the same logger at the same
 level) is let through once per REPEAT_WINDOW seconds; the next one let through says how many
-were held back meanwhile. A target that keeps failing is one line a minute, not hundreds.
+were held back meanwhile. A target that keeps failing is one line a minute, not hundreds. At
+debug level every line goes through.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _journal_stream(stream: TextIO) -> bool:
 
 
 def _install(handler: logging.Handler, level: str) -> None:
-    handler.addFilter(RepeatFilter())
+    if level.lower() != "debug":  # debugging wants every line
+        handler.addFilter(RepeatFilter())
     root = logging.getLogger("rpmemfs")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
