@@ -49,7 +49,7 @@ def _progress(label: str) -> Callable[[int, int], None] | None:
 def _token(path: str | None) -> bytes | None:
     if path is None:
         return None
-    from rpmemfs.transport.auth import TokenError, read_token_file
+    from rpmemfs.transport.tokens import TokenError, read_token_file
 
     try:
         return read_token_file(path)

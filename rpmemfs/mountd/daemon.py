@@ -31,8 +31,8 @@ from rpmemfs.replica.fencing import holder, new_epoch, probe_replicas
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import VerifyReport, content_size, pool_chunk
-from rpmemfs.transport.auth import TokenError, read_token_file
 from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.tokens import TokenError, read_token_file
 
 log = logging.getLogger("rpmemfs.mount")
 

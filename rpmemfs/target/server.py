@@ -11,17 +11,17 @@ from typing import Any
 
 import trio
 
+from rpmemfs.target.authz import TokenBook
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
-from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
+from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept
 from rpmemfs.target.lane_native import NativeLane
-from rpmemfs.target.peers import peer_allowed
 from rpmemfs.target.pools import PoolStore
 from rpmemfs.target.sessions import SessionTable
 from rpmemfs.transport.address import format_address
 from rpmemfs.transport.sockio import SockIO, tune
 from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed
-from rpmemfs.transport.wire import VERSION, Code, Role
+from rpmemfs.transport.wire import VERSION, Role
 
 log = logging.getLogger("rpmemfs.target")
 
@@ -33,7 +33,7 @@ class TargetConfig:
     host: str
     port: int
     pool_dir: str
-    token: bytes | None
+    tokens: TokenBook  # the tokens it accepts, and what each may do
     method: str  # "apm" or "gpspm": what the target advertises
     pmem_mode: str
     pmem_kind: str  # what the start-up probe mapped
@@ -75,7 +75,6 @@ class Server:
             "max_pool_size": config.max_pool_size,
         }
         self.control = ControlService(store, self.sessions, config.method, self.info)
-        self._token = config.token or b""
         self._connections = 0
 
     async def run(self, listener: socket.socket) -> None:
@@ -85,9 +84,10 @@ class Server:
                 # Announced only now, so whoever waits for the line may signal us right away.
                 address = announce(listener)
                 log.info(
-                    "target on %s serving %s: method %s, pmem %s, %s",
+                    "target on %s serving %s: method %s, pmem %s, tokens %s",
                     address, self.config.pool_dir, self.config.method, self.config.pmem_kind,
-                    "token required" if self.config.token else "no token (loopback only)",
+                    ", ".join(f"{g.name} ({'admin' if g.admin else 'pools'})"
+                              for g in self.config.tokens.grants()),
                 )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._stop_on_signal, signals, nursery.cancel_scope)
@@ -150,20 +150,12 @@ class Server:
 
     async def _serve(self, sock: SockIO, peer: str, host: str) -> None:
         cfg = self.config
-        if not peer_allowed(host, cfg.token is not None):
-            log.warning("refused %s: not a loopback peer and no token is configured", peer)
-            await refuse(
-                sock,
-                Code.PEER_REFUSED,
-                "this target has no token configured and serves loopback peers only",
-            )
-            return
         tune(sock.sock)
         # Small until the peer has authenticated: unauthenticated connections cost little.
         reader = FrameReader(sock, HANDSHAKE_STAGING)
         try:
             with trio.fail_after(cfg.handshake_timeout):
-                role, session = await accept(sock, reader, peer, self._token, self.sessions, self.info)
+                role, session = await accept(sock, reader, peer, cfg.tokens, self.sessions, self.info)
         except HandshakeRefused as exc:
             log.warning("refused %s: %s", peer, exc.reason)
             return
