@@ -60,6 +60,10 @@ class Mounted:
         if os.path.ismount(self.mountpoint):
             raise MountError(f"{mountpoint} is already a mount point")
         self.control_path = control.socket_path(self.mountpoint)
+        try:
+            control.prepare_dir(self.control_path)  # refused before anything is claimed
+        except OSError as e:
+            raise MountError(str(e)) from None
         t0 = time.perf_counter()
         try:
             self.mapping = PoolMapping.open(self.pool, mo.pmem, exclusive=True)
