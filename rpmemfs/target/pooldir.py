@@ -30,10 +30,12 @@ def check_pool_dir(path: str, shown: str | None = None) -> None:
     shown = shown or path
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        st = None
     except OSError as exc:
         raise PoolDirError(f"pool directory {shown}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise PoolDirError(f"pool directory {shown} is not a directory")
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise PoolDirError(f"pool directory {shown} does not exist or is not a directory")
     if st.st_uid != os.geteuid():
         raise PoolDirError(f"pool directory {shown} belongs to uid {st.st_uid}, not to the user the target "
                            f"runs as (uid {os.geteuid()})")
