@@ -323,7 +323,8 @@ def test_a_symlink_swapped_in_during_open_never_lets_the_target_write_outside(sc
     async def main() -> int:
         written = 0
         async with await connect(t.address, None, lanes=1) as s:
-            await s.create_pool("swap", POOL)
+            # Closed, so that every open below opens and maps the file anew.
+            await s.close_pool(await s.create_pool("swap", POOL))
             os.link(pools / "swap", pools / ".keep")
             thread = threading.Thread(target=swapper, daemon=True)
             thread.start()
