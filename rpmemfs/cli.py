@@ -49,7 +49,7 @@ def _progress(label: str) -> Callable[[int, int], None] | None:
 def _token(path: str | None) -> bytes | None:
     if path is None:
         return None
-    from rpmemfs.transport.auth import TokenError, read_token_file
+    from rpmemfs.transport.tokens import TokenError, read_token_file
 
     try:
         return read_token_file(path)
@@ -410,6 +410,18 @@ def cmd_pools(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    from rpmemfs.transport.tokens import GENERATED_BYTES, new_token_file
+
+    try:
+        new_token_file(args.file)
+    except FileExistsError:
+        raise CliError(f"{args.file} exists; not replacing a token someone may hold") from None
+    print(f"made {args.file}: a {8 * GENERATED_BYTES}-bit token, readable by you alone; give it to "
+          "the target (--token-file) and to whoever mounts from it (token_file=, --token-file)")
+    return 0
+
+
 def cmd_evict(args: argparse.Namespace) -> int:
     reply = _ask_target(args, {"op": "evict", "name": args.name})
     print(f"evicted the writing session of {args.name} on {args.address} (peer {reply.get('evicted')})")
@@ -612,6 +624,10 @@ def build_parser() -> ArgumentParser:
     s.add_argument("name", help="the pool's name on the target")
     s.add_argument("--token-file", help="token for the target")
     s.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+
+    s = command("token", cmd_token, "make a token file (256 random bits, mode 0600)")
+    s.add_argument("action", choices=("new",))
+    s.add_argument("file", help="the file to make (an existing one is left alone)")
 
     command("target", cmd_target, "the replica-node daemon (see `rpmemfs target --help`)",
             own_options=True)

@@ -15,7 +15,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Self
 
@@ -110,14 +110,16 @@ class PoolMapping:
         return self._base
 
     @classmethod
-    def open(cls, path: str, mode: str = "auto", readonly: bool = False, exclusive: bool = False) -> Self:
+    def open(cls, path: str, mode: str = "auto", readonly: bool = False, exclusive: bool = False,
+             opener: Callable[[str, int], int] = os.open) -> Self:
         """Map the pool file. ``exclusive``: hold an advisory lock on it for as long as the
         mapping lives (mmap keeps a duplicate of the descriptor, and the lock with it), so
-        that a mount and a target daemon never write the same pool as two primaries."""
+        that a mount and a target daemon never write the same pool as two primaries.
+        ``opener(path, flags)`` opens it (a target opens pools inside its pool directory)."""
         if mode not in PMEM_MODES:
             raise ValueError(f"pmem mode must be one of {PMEM_MODES}, not {mode!r}")
         try:
-            fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+            fd = opener(path, os.O_RDONLY if readonly else os.O_RDWR)
         except OSError as exc:
             raise PmemError(f"cannot open pool {path}: {exc.strerror}") from exc
         try:

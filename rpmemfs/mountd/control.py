@@ -1,8 +1,10 @@
 """The mount daemon's control socket: `rpmemfs status` asks it, whatever the mount options.
 
-One Unix socket per mount, named after the mountpoint, in a directory only root (or the
-user) can write. The protocol is a line in ("status", "verify [CHUNK]", "sync", "flush",
-"umount"), JSON
+One Unix socket per mount, named after the mountpoint, in a directory of the mount's user
+alone (/run/rpmemfs for root, $XDG_RUNTIME_DIR/rpmemfs-UID or else /tmp/rpmemfs-UID for a
+user; mode 0700, owner checked by the daemon and by every client before use).
+
+The protocol is a line in ("status", "verify [CHUNK]", "sync", "flush", "umount"), JSON
 lines back: any number of progress lines ({"progress": bytes done, "total": bytes}) for long
 requests, then the answer. `umount` answers twice: once the kernel let go of the mountpoint,
 and once more when the pool is closed; the connection ends when the daemon has exited.
@@ -21,6 +23,7 @@ import logging
 import os
 import select
 import socket
+import stat
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -35,10 +38,34 @@ SEND_SECONDS = 10.0
 _CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
+class ControlDirError(OSError):
+    """The control socket directory is not this user's alone; it is never used (whoever made
+    it could answer status requests with made-up states, or take the requests)."""
+
+
 def socket_dir() -> str:
     if os.geteuid() == 0:
         return "/run/rpmemfs"
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"rpmemfs-{os.geteuid()}")
+
+
+def check_socket_dir(path: str) -> None:
+    """ControlDirError unless ``path`` is a directory (not a link) of this user, mode 0700;
+    FileNotFoundError when there is none."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ControlDirError(f"control socket directory {path} is not a directory; refusing to use it")
+    if st.st_uid != os.geteuid():
+        raise ControlDirError(
+            f"control socket directory {path} belongs to uid {st.st_uid}, not to this user (uid "
+            f"{os.geteuid()}): someone else made it first; refusing to use it (remove it, or set "
+            "XDG_RUNTIME_DIR to a directory of yours)"
+        )
+    if st.st_mode & 0o077:
+        raise ControlDirError(
+            f"control socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; others may "
+            f"reach or replace its sockets: refusing to use it (chmod 700 {path})"
+        )
 
 
 def socket_path(mountpoint: str, *, resolved: bool = False) -> str:
@@ -114,11 +141,20 @@ def tell_held(fds: list[int], doc: dict[str, Any]) -> None:
             pass  # that client is gone; nobody is waiting there
 
 
+def prepare_dir(path: str) -> None:
+    """Make the directory of socket ``path`` (mode 0700) unless it exists; ControlDirError
+    unless it is this user's alone."""
+    directory = os.path.dirname(path)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    check_socket_dir(directory)
+
+
 async def serve(path: str, handlers: Mapping[str, Handler],
                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Answer on the socket at path (from socket_path, taken BEFORE mounting: resolving
     the mountpoint afterwards would ask this very daemon, which is busy right here)."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    prepare_dir(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # left behind by a daemon that was killed
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -172,6 +208,7 @@ async def _answer(stream: trio.SocketStream, handlers: Mapping[str, Handler]) ->
 
 
 def _connect(path: str, timeout: float | None) -> socket.socket:
+    check_socket_dir(os.path.dirname(path))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(timeout)

@@ -32,8 +32,8 @@ from rpmemfs.replica.fencing import holder, new_epoch, probe_replicas
 from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import VerifyReport, content_size, pool_chunk
-from rpmemfs.transport.auth import TokenError, read_token_file
 from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.tokens import TokenError, read_token_file
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -61,6 +61,10 @@ class Mounted:
         if os.path.ismount(self.mountpoint):
             raise MountError(f"{mountpoint} is already a mount point")
         self.control_path = control.socket_path(self.mountpoint)
+        try:
+            control.prepare_dir(self.control_path)  # refused before anything is claimed
+        except OSError as e:
+            raise MountError(str(e)) from None
         t0 = time.perf_counter()
         try:
             self.mapping = PoolMapping.open(self.pool, mo.pmem, exclusive=True)
@@ -270,9 +274,8 @@ class Mounted:
                                      self._set_min_replicas, self.mo.min_replicas is None)
 
     def _set_min_replicas(self, n: int) -> None:
-        self.min_replicas = n
-        if self.replicas is not None:
-            self.replicas.min_replicas = n
+        assert self.replicas is not None  # (membership exists only with replicas)
+        self.min_replicas = self.replicas.min_replicas = n
 
     async def _replica(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs replica add|remove MOUNTPOINT ADDRESS/NAME [--force]` (membership.py)."""
@@ -281,8 +284,7 @@ class Mounted:
                              "edit that file and mount again"}
         if self.membership is None:
             why = f"fenced ({self.fenced})" if self.fenced else "mounted without replicas"
-            return {"error": f"{self.pool} is {why}: replicas can be added only to a mount that has "
-                             "some; unmount it, and make the pool again with mkfs --replica"}
+            return {"error": f"{self.pool} is {why}: replicas are added only to a mount that has some"}
         return await self.membership.request(args, send, self.min_replicas)
 
     def control_handlers(self) -> dict[str, control.Handler]:

@@ -19,11 +19,20 @@ from rpmemfs.target.admission import (
     DEFAULT_MAX_HANDSHAKES_PER_PEER,
     MAX_HANDSHAKE_TIMEOUT,
 )
+from rpmemfs.target.authz import DEFAULT_NAME, AuthzError, Grant, TokenBook, read_authz
 from rpmemfs.target.errors import TargetError
+from rpmemfs.target.pooldir import PoolDirError, check_pool_dir
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.server import TargetConfig, serve
 from rpmemfs.transport.address import parse_address
-from rpmemfs.transport.auth import TokenError, read_token_file
+from rpmemfs.transport.tokens import (
+    ROOT_STATE_DIR,
+    STATE_ENV,
+    TokenError,
+    default_state_dir,
+    generated_token,
+    read_token_file,
+)
 from rpmemfs.units import parse_size
 
 log = logging.getLogger("rpmemfs.target")
@@ -48,7 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on (port 0: any)")
     p.add_argument("--pool-dir", required=True, metavar="DIR", help="directory that holds the pools")
-    p.add_argument("--token-file", metavar="F", help="shared token (else: loopback peers only)")
+    p.add_argument(
+        "--token-file", metavar="F",
+        help="the admin token initiators must hold (default: one generated in the state directory)",
+    )
+    p.add_argument(
+        "--state-dir", metavar="DIR",
+        help="where a target without --token-file keeps the token it generated (default: "
+        f"${STATE_ENV}, else {ROOT_STATE_DIR} for root, $XDG_STATE_HOME/rpmemfs for a user)",
+    )
+    p.add_argument(
+        "--authz", metavar="FILE",
+        help="more tokens, each limited to some pools or admin: lines NAME ROLE TOKEN-FILE [PATTERN...]",
+    )
     p.add_argument(
         "--persist", choices=("auto", "apm", "gpspm"), default="auto",
         help="persistence method to advertise; apm declares that placed writes are durable "
@@ -92,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _own_token(args: argparse.Namespace) -> bytes:
+    """The target's admin token: --token-file's, or the one in the state directory."""
+    if args.token_file:
+        return read_token_file(args.token_file)
+    token, path = generated_token(args.state_dir or default_state_dir())
+    log.info("no --token-file: initiators must hold the token in %s (this user's mounts and rpmemfs "
+             "commands on this host use it; give others a copy and --token-file)", path)
+    return token
+
+
 def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     try:
         host, port = parse_address(args.listen, DEFAULT_PORT)
@@ -115,14 +146,14 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     if args.idle_timeout < 0:
         raise StartError("--idle-timeout must be 0 (never) or positive")
     pool_dir = os.path.realpath(args.pool_dir)
-    if not os.path.isdir(pool_dir):
-        raise StartError(f"pool directory {args.pool_dir} does not exist or is not a directory")
-    token = None
-    if args.token_file:
-        try:
-            token = read_token_file(args.token_file)
-        except TokenError as exc:
-            raise StartError(str(exc)) from None
+    book = TokenBook()
+    try:
+        check_pool_dir(pool_dir, args.pool_dir)
+        book.add(_own_token(args), Grant(DEFAULT_NAME, admin=True))
+        if args.authz:
+            read_authz(args.authz, book)
+    except (TokenError, AuthzError, PoolDirError) as exc:
+        raise StartError(str(exc)) from None
     store = PoolStore(pool_dir, args.pmem, max_pool)
     try:
         kind = store.probe_kind()
@@ -136,7 +167,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
             "--persist gpspm"
         )
     config = TargetConfig(
-        host=host, port=port, pool_dir=pool_dir, token=token, method=method, pmem_mode=args.pmem,
+        host=host, port=port, pool_dir=pool_dir, tokens=book, method=method, pmem_mode=args.pmem,
         pmem_kind=kind, max_pool_size=max_pool, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
@@ -171,8 +202,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartError as exc:
         print(f"rpmemfs: {exc}", file=sys.stderr)
         return 2
-    if config.token is None:
-        log.warning("no --token-file: serving loopback peers only, without authentication of who they are")
     try:
         trio.run(serve, config, store)
     except SystemExit as exc:

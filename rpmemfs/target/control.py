@@ -19,7 +19,7 @@ import trio
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import BLOCK, show_epoch
-from rpmemfs.target.names import PoolNameError, check_name, pool_path
+from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.owners import Owner, OwnerBook, clean_holder, refusal
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession
@@ -59,7 +59,7 @@ class ControlService:
         self.info = info
         self.verbs: VerbsService | None = None  # set when the target serves RDMA
         self.no_verbs = "this target does not serve RDMA"
-        self._owners = OwnerBook(store.pool_dir)
+        self._owners = OwnerBook(store.dir)
         # The one session that may write each pool (it claimed it under an epoch): a newer
         # claim takes its registration away, so an old primary's lanes stop landing writes.
         self._writers: dict[str, tuple[TargetSession, int]] = {}
@@ -82,6 +82,7 @@ class ControlService:
             return {"ok": False, "error": "control request must be a JSON object", "code": "request"}
         op = request.get("op")
         try:
+            session.grant.check(op, request)
             if op == "create":
                 return await self._create(session, request)
             if op == "open":
@@ -89,7 +90,7 @@ class ControlService:
             if op == "probe":
                 return self._probe(request)
             if op == "pools":
-                return {"ok": True, "pools": self.listing()}
+                return {"ok": True, "pools": session.grant.visible(self.listing())}
             if op == "evict":
                 return self._evict(session, request)
             if op == "grow":
@@ -104,7 +105,8 @@ class ControlService:
                 return await self._checksum(session, request)
             if op == "stats":
                 name = request.get("name")
-                return {"ok": True, "pools": self._stats(None if name is None else check_name(name))}
+                pools = self._stats(None if name is None else check_name(name))
+                return {"ok": True, "pools": session.grant.visible(pools)}
             if op == "info":
                 return {"ok": True, **self.info}
             if op == "rdma":
@@ -157,8 +159,7 @@ class ControlService:
     def _ownership(self, name: str) -> dict[str, Any]:
         """What the target knows of pool ``name`` without mapping it: size, uuid, owner,
         writer. PoolNameError when there is no such pool."""
-        path = pool_path(self._store.pool_dir, name, must_exist=True)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = self._store.dir.open(check_name(name), os.O_RDONLY)
         try:
             head = os.pread(fd, 2 * BLOCK, 0)
             size = os.fstat(fd).st_size
@@ -179,7 +180,7 @@ class ControlService:
     def listing(self) -> dict[str, Any]:
         """Every pool in the directory: size, owner, writer, sessions, activity, counters."""
         out: dict[str, Any] = {}
-        for name in sorted(os.listdir(self._store.pool_dir)):
+        for name in self._store.dir.names():
             try:
                 entry = self._ownership(name)
             except (PoolNameError, OSError):

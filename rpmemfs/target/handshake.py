@@ -8,6 +8,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs.target.authz import Grant, TokenBook
 from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport import auth
 from rpmemfs.transport.sockio import SockIO
@@ -54,11 +55,29 @@ async def refuse(sock: SockIO, code: Code, reason: str) -> None:
             pass
 
 
+def _credentials(hello: Hello, book: TokenBook, sessions: SessionTable
+                 ) -> tuple[bytes, Grant, TargetSession | None]:
+    """The token the peer must prove it holds, what that token may do, and (for a lane) the
+    session it joins. A lane proves its session's token; a control connection, the token
+    its HELLO names by key id."""
+    if hello.role == Role.LANE:
+        session = sessions.get(hello.session_id)
+        if session is None:
+            raise WireError(Code.BAD_SESSION,
+                            "the lane names no live session (its control connection has closed)")
+        return session.token, session.grant, session
+    found = book.find(hello.session_id)
+    if found is None:
+        raise WireError(Code.AUTH_FAILED,
+                        "authentication failed: the initiator's token is not one this target accepts")
+    return found[0], found[1], None
+
+
 async def accept(
     sock: SockIO,
     reader: FrameReader,
     peer: str,
-    token: bytes,
+    book: TokenBook,
     sessions: SessionTable,
     info: dict[str, Any],
 ) -> tuple[Role, TargetSession]:
@@ -74,6 +93,7 @@ async def accept(
                 raise
             raise ClosedBeforeHello from None
         hello = Hello.unpack(reader.take(HELLO_SIZE))
+        token, grant, found = _credentials(hello, book, sessions)
         server_nonce = auth.nonce()
         proof = auth.target_proof(token, hello.nonce, server_nonce)
         challenge = Frame(Op.CHALLENGE, length=NONCE_SIZE + PROOF_SIZE).pack()
@@ -88,18 +108,17 @@ async def accept(
         await refuse(sock, exc.code, exc.reason)
         raise HandshakeRefused(exc.code, exc.reason) from None
     if not auth.same(answer, auth.initiator_proof(token, hello.nonce, server_nonce)):
-        reason = "authentication failed: the initiator does not hold this target's token"
+        reason = "authentication failed: the initiator does not hold the token it named"
         await refuse(sock, Code.AUTH_FAILED, reason)
-        raise HandshakeRefused(Code.AUTH_FAILED, reason)
-    if hello.role == Role.LANE:
-        found = sessions.get(hello.session_id)
-        if found is None:
-            reason = "the lane names no live session (its control connection has closed)"
+        raise HandshakeRefused(Code.AUTH_FAILED, f"{reason} ({grant.name!r})")
+    if found is not None:
+        if sessions.get(found.id) is not found:
+            reason = "the lane's session ended during its handshake"
             await refuse(sock, Code.BAD_SESSION, reason)
             raise HandshakeRefused(Code.BAD_SESSION, reason)
         session = found
     else:
-        session = sessions.new(peer)
+        session = sessions.new(peer, grant, token)
     payload = session.id + json.dumps(info).encode()
     try:
         await send_all(sock, [Frame(Op.OK, length=len(payload)).pack(), payload])

@@ -2,14 +2,13 @@
 
 A pool name is one plain file name inside the pool directory, never a path. The checks are
 strict on purpose: every name an initiator sends is untrusted, and a name that could be read
-two ways (hidden files, '..', a symlink) is refused rather than interpreted.
+two ways (hidden files, '..') is refused rather than interpreted; target/pooldir.py opens
+names without following symbolic links.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 
 from rpmemfs.target.errors import TargetError
 
@@ -46,25 +45,3 @@ def check_name(name: object) -> str:
     if not _ALLOWED.fullmatch(name):
         raise PoolNameError(f"pool name {shown} may contain only letters, digits, '.', '_' and '-'")
     return name
-
-
-def pool_path(pool_dir: str, name: str, *, must_exist: bool) -> str:
-    """The path of pool ``name`` in ``pool_dir`` (an absolute, resolved directory).
-
-    Refuses a path that is a symlink or resolves outside the directory, and, when
-    ``must_exist``, anything but an existing regular file (a FIFO would block the opener).
-    """
-    path = os.path.join(pool_dir, check_name(name))
-    if os.path.dirname(os.path.realpath(path)) != pool_dir:
-        raise PoolNameError(f"pool {_show(name)} resolves outside the pool directory")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if must_exist:
-            raise PoolNameError(f"pool {_show(name)} does not exist") from None
-        return path
-    if stat.S_ISLNK(st.st_mode):
-        raise PoolNameError(f"pool {_show(name)} is a symbolic link; pools must be regular files")
-    if not stat.S_ISREG(st.st_mode):
-        raise PoolNameError(f"pool {_show(name)} is not a regular file")
-    return path

@@ -20,7 +20,6 @@ by the epoch in its header.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -29,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rpmemfs.pool.layout import epoch_gen, show_epoch
-from rpmemfs.target.names import check_name
+from rpmemfs.target.names import PoolNameError, check_name
+from rpmemfs.target.pooldir import PoolDir
 
 log = logging.getLogger("rpmemfs.target.owners")
 
@@ -125,12 +125,12 @@ def refusal(owner: Owner | None, prev: int, cur: int, takeover: bool) -> str | N
 class OwnerBook:
     """The owner records of one pool directory."""
 
-    def __init__(self, pool_dir: str) -> None:
-        self.pool_dir = pool_dir
+    def __init__(self, pool_dir: PoolDir) -> None:
+        self.dir = pool_dir
         self._cache: dict[str, Owner | None] = {}
 
-    def _path(self, name: str) -> str:
-        return os.path.join(self.pool_dir, f".{check_name(name)}.owner")
+    def _record(self, name: str) -> str:
+        return f".{check_name(name)}.owner"
 
     def get(self, name: str) -> Owner | None:
         if name in self._cache:
@@ -140,10 +140,15 @@ class OwnerBook:
         return owner
 
     def _read(self, name: str) -> Owner | None:
-        path = self._path(name)
+        path = self._record(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = self.dir.open(path, os.O_RDONLY, what="owner record")
+        except PoolNameError as exc:
+            if not os.path.lexists(os.path.join(self.dir.path, path)):
+                return None
+            # Not a file of ours: the header's epoch fences, as for an unreadable record.
+            log.error("owner record of pool %s is refused (%s); falling back to the pool header's epoch",
+                      name, exc)
             return None
         try:
             raw = os.read(fd, MAX_RECORD + 1)
@@ -160,31 +165,27 @@ class OwnerBook:
             # Refusing every writer would make the pool unusable; the header's epoch still
             # fences (the caller falls back to it), and the operator is told.
             log.error("owner record %s is unreadable (%s); falling back to the pool header's epoch",
-                      path, exc)
+                      os.path.join(self.dir.path, path), exc)
             return None
 
     def set(self, name: str, owner: Owner) -> None:
         """Record ``owner`` durably before returning (write, fsync, rename, fsync the dir)."""
-        path = self._path(name)
+        path = self._record(name)
         tmp = f"{path}.tmp"
         data = json.dumps({"epoch": owner.epoch, "holder": owner.holder, "since": owner.since,
                            "resync": owner.resync}).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.dir.unlink(tmp, missing_ok=True)  # left by a target that was killed mid-way
+        fd = self.dir.create(tmp, os.O_WRONLY)
         try:
             os.write(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, path)
-        dfd = os.open(self.pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        self.dir.rename(tmp, path)
+        self.dir.sync()
         self._cache[name] = owner
 
     def forget(self, name: str) -> None:
         """The pool was removed: so is its record."""
         self._cache.pop(name, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(name))
+        self.dir.unlink(self._record(name), missing_ok=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import stat
 import threading
 from typing import Any
 
@@ -14,7 +13,7 @@ from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import Header
 from rpmemfs.target.errors import TargetError
-from rpmemfs.target.names import pool_path
+from rpmemfs.target.pooldir import PoolDir
 from rpmemfs.units import human
 
 log = logging.getLogger("rpmemfs.target.pools")
@@ -52,9 +51,9 @@ class Pool:
     """One mapped pool file. ``users`` counts tasks inside an await with a view of the mapping;
     the mapping is unmapped only when no region refers to it and no task is using it."""
 
-    def __init__(self, name: str, path: str, mapping: PoolMapping, counters: PoolCounters) -> None:
+    def __init__(self, name: str, fd: int, mapping: PoolMapping, counters: PoolCounters) -> None:
         self.name = name
-        self.path = path
+        self._fd = fd  # for the fsync at close: the file that was mapped, not what has its name now
         self.mapping = mapping
         self.buf = mapping.buf
         self.size = mapping.size
@@ -111,13 +110,11 @@ class Pool:
         try:
             # fsync writes back what is dirty, whatever the mapping kind, in proportion to
             # what is dirty rather than to the pool's size.
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            os.fsync(self._fd)
         except OSError as exc:
             log.error("pool %s: persisting at close failed: %s", self.name, exc.strerror)
+        finally:
+            os.close(self._fd)
         self.buf = memoryview(b"")
         try:
             self.mapping.close()
@@ -128,6 +125,7 @@ class Pool:
 class PoolStore:
     def __init__(self, pool_dir: str, pmem_mode: str, max_pool_size: int) -> None:
         self.pool_dir = os.path.realpath(pool_dir)
+        self.dir = PoolDir(self.pool_dir)
         self.pmem_mode = pmem_mode
         self.max_pool_size = max_pool_size
         self._open: dict[str, Pool] = {}
@@ -136,24 +134,22 @@ class PoolStore:
     def probe_kind(self) -> str:
         """Map a scratch file in the pool directory the way pools will be mapped; its kind."""
         # A leading dot keeps the probe out of the pool namespace: no pool name starts with one.
-        path = os.path.join(self.pool_dir, f".rpmemfs-probe-{os.getpid()}")
+        name = f".rpmemfs-probe-{os.getpid()}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            self.dir.unlink(name, missing_ok=True)  # left by a target that was killed
+            fd = self.dir.create(name, os.O_RDWR)
             try:
                 os.posix_fallocate(fd, 0, PAGE)
             finally:
                 os.close(fd)
-            with PoolMapping.open(path, self.pmem_mode) as pm:
+            with PoolMapping.open(name, self.pmem_mode, opener=self.dir.opener) as pm:
                 return pm.kind
         except OSError as exc:
             raise PoolError(f"cannot use pool directory {self.pool_dir}: {exc.strerror}") from exc
         except PmemError as exc:
             raise PoolError(f"cannot map pools in {self.pool_dir}: {exc}") from exc
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            self.dir.unlink(name, missing_ok=True)
 
     def _check_size(self, name: str, size: object) -> int:
         if not isinstance(size, int) or isinstance(size, bool):
@@ -177,11 +173,9 @@ class PoolStore:
 
     def create_file(self, name: str, size: object) -> None:
         """Make a zero-filled pool file of ``size`` bytes (blocking: run it in a thread)."""
-        path = pool_path(self.pool_dir, name, must_exist=False)
         size = self._check_size(name, size)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = self.dir.create(name, os.O_RDWR)
         except FileExistsError:
             raise PoolError(f"pool {name!r} already exists", "exists") from None
         except OSError as exc:
@@ -193,11 +187,12 @@ class PoolStore:
             os.fsync(fd)
         except OSError as exc:
             os.close(fd)
-            os.unlink(path)
+            self.dir.unlink(name)
             raise PoolError(
                 f"cannot allocate {size} bytes for pool {name!r}: {exc.strerror}", "no-space"
             ) from exc
         os.close(fd)
+        self.dir.sync()
         log.info("pool %s created (%d bytes)", name, size)
 
     def grow_file(self, name: str, size: object) -> bool:
@@ -209,14 +204,11 @@ class PoolStore:
         if size > self.max_pool_size:
             raise PoolError(f"pool size {size} ({human(size)}) exceeds this target's limit of "
                             f"{self.max_pool_size} ({human(self.max_pool_size)})", "size")
-        path = pool_path(self.pool_dir, name, must_exist=True)
         if name in self._open:
             raise PoolError(f"pool {name!r} is open; it grows only when no session has it open", "busy")
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = self.dir.open(name, os.O_RDWR)  # relative to the pool directory, no links followed
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise PoolError(f"pool {name!r} is not a regular file", "io")
             if size < st.st_size:
                 raise PoolError(f"pool {name!r} is {st.st_size} bytes; pools only grow", "size")
             if size == st.st_size:
@@ -245,19 +237,20 @@ class PoolStore:
         return pool
 
     def _map(self, name: str) -> Pool:
-        path = pool_path(self.pool_dir, name, must_exist=True)
+        fd = self.dir.open(name, os.O_RDWR)
         try:
-            mapping = PoolMapping.open(path, self.pmem_mode, exclusive=True)
+            # The one file opened and checked here is the one mapped (and fsynced at close).
+            mapping = PoolMapping.open(name, self.pmem_mode, exclusive=True,
+                                       opener=lambda _name, _flags: os.dup(fd))
         except PmemError as exc:
+            os.close(fd)
             raise PoolError(str(exc), "io") from exc
-        # The checks above looked at a path; make sure what got mapped is still that file.
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            mapping.close()
-            raise PoolError(f"pool {name!r} changed while it was being opened", "io")
+        except BaseException:
+            os.close(fd)
+            raise
         counters = self._counters.setdefault(name, PoolCounters())
         log.info("pool %s mapped (%d bytes, %s)", name, mapping.size, mapping.kind)
-        return Pool(name, path, mapping, counters)
+        return Pool(name, fd, mapping, counters)
 
     def release(self, pool: Pool) -> None:
         pool.refs -= 1
@@ -267,11 +260,12 @@ class PoolStore:
             log.info("pool %s closed", pool.name)
 
     def remove(self, name: str) -> None:
-        path = pool_path(self.pool_dir, name, must_exist=True)
+        os.close(self.dir.open(name, os.O_RDONLY))  # a pool, not a link or anything else
         if name in self._open:
             raise PoolError(f"pool {name!r} is open; close it in every session first", "busy")
         try:
-            os.unlink(path)
+            self.dir.unlink(name)
+            self.dir.sync()
         except OSError as exc:
             raise PoolError(f"cannot remove pool {name!r}: {exc.strerror}", "io") from exc
         self._counters.pop(name, None)

@@ -20,11 +20,11 @@ from rpmemfs.target.admission import (
     Admission,
     Handshake,
 )
+from rpmemfs.target.authz import TokenBook
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
 from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
 from rpmemfs.target.lane_native import NativeLane
-from rpmemfs.target.peers import peer_allowed
 from rpmemfs.target.pools import PoolStore
 from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport.address import format_address
@@ -42,7 +42,7 @@ class TargetConfig:
     host: str
     port: int
     pool_dir: str
-    token: bytes | None
+    tokens: TokenBook  # the tokens it accepts, and what each may do
     method: str  # "apm" or "gpspm": what the target advertises
     pmem_mode: str
     pmem_kind: str  # what the start-up probe mapped
@@ -87,7 +87,6 @@ class Server:
             "max_pool_size": config.max_pool_size,
         }
         self.control = ControlService(store, self.sessions, config.method, self.info)
-        self._token = config.token or b""
         self.admission = Admission(config.max_connections, config.max_handshakes,
                                    config.max_handshakes_per_peer)
         self._full_logged = 0.0
@@ -101,9 +100,10 @@ class Server:
                 address = announce(listener)
                 notify("READY=1", f"STATUS=serving {self.config.pool_dir} on {address}")
                 log.info(
-                    "target on %s serving %s: method %s, pmem %s, %s",
+                    "target on %s serving %s: method %s, pmem %s, tokens %s",
                     address, self.config.pool_dir, self.config.method, self.config.pmem_kind,
-                    "token required" if self.config.token else "no token (loopback only)",
+                    ", ".join(f"{g.name} ({'admin' if g.admin else 'pools'})"
+                              for g in self.config.tokens.grants()),
                 )
                 try:
                     async with trio.open_nursery() as nursery:
@@ -191,20 +191,12 @@ class Server:
 
     async def _serve(self, sock: SockIO, peer: str, host: str, hs: Handshake) -> None:
         cfg = self.config
-        if not peer_allowed(host, cfg.token is not None):
-            log.warning("refused %s: not a loopback peer and no token is configured", peer)
-            await refuse(
-                sock,
-                Code.PEER_REFUSED,
-                "this target has no token configured and serves loopback peers only",
-            )
-            return
         tune(sock.sock)
         # Small until the peer has authenticated: unauthenticated connections cost little.
         reader = FrameReader(sock, HANDSHAKE_STAGING)
         try:
             with hs.scope, trio.fail_after(cfg.handshake_timeout):
-                role, session = await accept(sock, reader, peer, self._token, self.sessions, self.info)
+                role, session = await accept(sock, reader, peer, cfg.tokens, self.sessions, self.info)
             if hs.dropped:
                 # Pushed out by newer connections over the caps (admission.py); counted and
                 # reported there, in one line for many.

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import trio
 
+from rpmemfs.target.authz import Grant
 from rpmemfs.target.pools import Pool, PoolStore
 from rpmemfs.target.regions import RegionTable
 from rpmemfs.transport.wire import SESSION_ID_SIZE
@@ -32,6 +33,8 @@ class Region:
 class TargetSession:
     id: bytes
     peer: str
+    grant: Grant  # what its token may do
+    token: bytes = field(default=b"", repr=False)  # its lanes prove they hold the same one
     regions: dict[int, Region] = field(default_factory=dict)
     lanes: set[trio.CancelScope] = field(default_factory=set)
     table: RegionTable = field(default_factory=RegionTable)
@@ -65,12 +68,12 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def new(self, peer: str) -> TargetSession:
+    def new(self, peer: str, grant: Grant, token: bytes) -> TargetSession:
         while True:
             sid = secrets.token_bytes(SESSION_ID_SIZE)
             if sid not in self._sessions and any(sid):
                 break
-        session = TargetSession(sid, peer)
+        session = TargetSession(sid, peer, grant, token)
         self._sessions[sid] = session
         return session
 

@@ -27,7 +27,7 @@ def run_demo(directory: str, size: str) -> int:
     try:
         for i in (1, 2):
             tdir = os.path.join(directory, f"target{i}")
-            os.makedirs(tdir, exist_ok=True)
+            os.makedirs(tdir, mode=0o700, exist_ok=True)  # a target refuses a directory others may change
             # The first target declares the appliance method (pmem=force on tmpfs), the second
             # serves general-purpose flushes, so the demo shows both.
             opts = {"pmem": "force", "persist": "apm"} if i == 1 and mode == "force" else {}

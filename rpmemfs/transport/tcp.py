@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 import trio
 
 from rpmemfs.native import ffi, lib
+from rpmemfs.transport import tokens
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.transport.base import (
     DEFAULT_TIMEOUT,
@@ -50,7 +51,6 @@ from rpmemfs.transport.wire import (
     MAX_FLUSH_RANGES,
     MAX_READ,
     MAX_WRITE,
-    NO_SESSION,
     Frame,
     Op,
     Role,
@@ -437,9 +437,12 @@ async def connect(
     except ValueError as exc:
         raise TransportError(address, str(exc)) from None
     peer = format_address(host, port)
-    secret = token or b""
+    secret = token if token is not None else tokens.local_token()
+    if secret is None:
+        raise TransportError(peer, tokens.NO_TOKEN)
+    # A control HELLO names the token it proves with where a lane's names its session.
     conn, session_id, info = await open_connection(
-        host, port, peer, secret, Role.CONTROL, NO_SESSION, timeout
+        host, port, peer, secret, Role.CONTROL, tokens.key_id(secret), timeout
     )
     session = TcpSession(TcpLane(conn), host, port, secret, session_id, info, timeout)
     try:

@@ -27,6 +27,7 @@ from helpers import (  # noqa: E402
 )
 
 from rpmemfs.tools.processes import TargetProcess, detach_all_under  # noqa: E402
+from rpmemfs.transport.tokens import STATE_ENV  # noqa: E402
 
 # A test that takes longer than this is hung (the slowest takes ~15 s). The watchdog records
 # what the daemons were doing, then SIGKILLs them: that aborts the FUSE connection, so a test
@@ -36,6 +37,14 @@ WATCHDOG_SECONDS = 180.0
 
 MakePool = Callable[..., Path]
 MountPool = Callable[..., Mount]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Targets started without a token file generate theirs in a state directory of this
+    test run (and mounts, commands and tests find it there), not in the machine's own."""
+    state = tempfile.mkdtemp(prefix="rpmemfs-state-", dir="/dev/shm")
+    os.environ[STATE_ENV] = state
+    config.add_cleanup(lambda: shutil.rmtree(state, ignore_errors=True))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

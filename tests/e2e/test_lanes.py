@@ -27,9 +27,9 @@ import trio
 
 from rpmemfs.native import ffi
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport.auth import read_token_file
 from rpmemfs.transport.base import LocalPool, Session, Transport, TransportError
 from rpmemfs.transport.choose import rdma_devices, transport_for
+from rpmemfs.transport.tokens import read_token_file
 
 IN_VM = bool(os.environ.get("RXE_IP_A") and os.environ.get("RXE_IP_B") and rdma_devices())
 POOL = 1 << 20

@@ -353,8 +353,11 @@ def test_a_replicated_pool_reopens_with_its_uuid(gpspm_target: Target, scratch: 
     assert (gpspm_target.pool_dir / name).read_bytes() == image
 
 
+SILENT_TOKEN = b"the silent target's token"
+
+
 async def _silent_target(listener: trio.socket.SocketType) -> None:
-    """Completes the handshake like a target (empty token), then reads and never answers."""
+    """Completes the handshake like a target (SILENT_TOKEN), then reads and never answers."""
 
     async def exactly(sock: trio.socket.SocketType, n: int) -> bytes:
         data = b""
@@ -369,7 +372,7 @@ async def _silent_target(listener: trio.socket.SocketType) -> None:
         with sock:
             hello = Hello.unpack(await exactly(sock, HELLO_SIZE))
             server_nonce = auth.nonce()
-            proof = auth.target_proof(b"", hello.nonce, server_nonce)
+            proof = auth.target_proof(SILENT_TOKEN, hello.nonce, server_nonce)
             await sock.send(Frame(Op.CHALLENGE, length=64).pack() + server_nonce + proof)
             await exactly(sock, 64)  # AUTH header + proof: this peer believes anyone
             ok = b"s" * 16 + b'{"method": "gpspm"}'
@@ -393,7 +396,7 @@ def test_a_silent_target_hits_the_deadline_and_loses_the_lane() -> None:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_silent_target, listener)
-            s = await connect(address, None, lanes=2, timeout=0.5)
+            s = await connect(address, SILENT_TOKEN, lanes=2, timeout=0.5)
             started = trio.current_time()
             with pytest.raises(TransportError, match="timed out after 0.5s") as err:
                 await barrier(s.lanes[0], fake, [(0, b"x" * 100)])

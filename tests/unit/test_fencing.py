@@ -16,6 +16,7 @@ from rpmemfs.pool.layout import next_epoch
 from rpmemfs.replica import ReplicaSet, ReplicaSpec
 from rpmemfs.replica.fencing import probe_replicas
 from rpmemfs.target.owners import Owner, OwnerBook, refusal
+from rpmemfs.target.pooldir import PoolDir
 
 G1 = next_epoch(0, 0x1111)
 G2A = next_epoch(G1, 0xAAAA)
@@ -49,14 +50,14 @@ def test_takeovers_need_a_higher_epoch_so_exactly_one_of_two_racing_wins() -> No
 
 
 def test_the_owner_record_is_durable_and_atomic(tmp_path: Path) -> None:
-    book = OwnerBook(str(tmp_path))
+    book = OwnerBook(PoolDir(str(tmp_path)))
     assert book.get("app") is None
     book.set("app", Owner(G2A, {"host": "h", "pid": 1}, 123.0))
-    again = OwnerBook(str(tmp_path)).get("app")  # read back from disk, not the cache
+    again = OwnerBook(PoolDir(str(tmp_path))).get("app")  # read back from disk, not the cache
     assert again == Owner(G2A, {"host": "h", "pid": 1}, 123.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".app.owner"]  # no temp file left
     (tmp_path / ".app.owner").write_text("{not json")
-    assert OwnerBook(str(tmp_path)).get("app") is None  # unreadable: the header's epoch fences
+    assert OwnerBook(PoolDir(str(tmp_path))).get("app") is None  # unreadable: the header's epoch fences
     book.forget("app")
     assert not (tmp_path / ".app.owner").exists()
 
@@ -157,13 +158,13 @@ def test_a_mark_left_by_a_killed_resync_survives_claims_until_a_resync_ends() ->
 
 
 def test_the_owner_record_keeps_a_resync_mark(tmp_path: Path) -> None:
-    book = OwnerBook(str(tmp_path))
+    book = OwnerBook(PoolDir(str(tmp_path)))
     marked = Owner(G2A, {"host": "h"}, 2.0, {"since": 3.0, "by": "h (pid 1)"})
     book.set("app", marked)
-    again = OwnerBook(str(tmp_path)).get("app")
+    again = OwnerBook(PoolDir(str(tmp_path))).get("app")
     assert again == marked
     assert again is not None and "h (pid 1)" in (again.resync_text() or "")
     assert again.as_dict()["resync"] == {"since": 3.0, "by": "h (pid 1)"}
     (tmp_path / ".app.owner").write_text(json.dumps({"epoch": G2A, "resync": "garbage"}))
-    unreadable = OwnerBook(str(tmp_path)).get("app")
+    unreadable = OwnerBook(PoolDir(str(tmp_path))).get("app")
     assert unreadable is not None and unreadable.resync is not None  # still marked: it was set

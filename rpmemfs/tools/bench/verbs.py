@@ -40,8 +40,8 @@ import trio
 from rpmemfs.native import ffi
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport.auth import read_token_file
 from rpmemfs.transport.base import LocalPool, RemoteRegion
+from rpmemfs.transport.tokens import read_token_file
 
 KIB = 1 << 10
 MIB = 1 << 20

@@ -1,0 +1,189 @@
+"""Tokens: reading and making token files, a token's public id, and the local target's token.
+
+A token is a shared secret; whoever holds it may talk to the targets that accept it. So a
+token file readable by anyone but its owner is refused (as OpenSSH refuses such a private
+key), and so is a token too short to resist guessing (under MIN_TOKEN_BITS).
+
+A target started without ``--token-file`` generates its own token once, in its state
+directory (``<state dir>/token``, mode 0600), and keeps it across restarts. Mounts and
+commands that are given no token use the token in their own user's default state directory:
+so on one host, whoever may read that file (its owner, root) reaches that user's targets,
+and nobody else gets anything. The default state directory is $RPMEMFS_STATE_DIR when set,
+else /var/lib/rpmemfs for root and $XDG_STATE_HOME/rpmemfs (~/.local/state/rpmemfs) for
+other users.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import stat
+
+from rpmemfs.transport.base import TransportError
+
+MAX_TOKEN_FILE = 4096
+MIN_TOKEN_BITS = 128
+GENERATED_BYTES = 32  # 256 bits, written as 64 hex digits
+KEY_ID_SIZE = 16
+STATE_ENV = "RPMEMFS_STATE_DIR"
+ROOT_STATE_DIR = "/var/lib/rpmemfs"
+TOKEN_NAME = "token"
+NO_TOKEN = (
+    "no token: give one (--token-file, or the mount option token_file=), or run as the user whose "
+    f"local target generated its token in its state directory (${STATE_ENV}, /var/lib/rpmemfs for "
+    "root, $XDG_STATE_HOME/rpmemfs for a user)"
+)
+_KEY_ID_LABEL = b"rpmemfs token id\x00"
+_HEX = re.compile(rb"[0-9a-fA-F]+")
+_BASE64 = re.compile(rb"[A-Za-z0-9+/=_-]+")
+
+
+class TokenError(TransportError):
+    """A token file or state directory cannot be used; the message says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
+
+
+def token_bits(token: bytes) -> int:
+    """How many bits of secret ``token`` can hold at most, from its alphabet: 4 per hex
+    digit, 6 per base64 character, else 8 per byte."""
+    if _HEX.fullmatch(token):
+        return 4 * len(token)
+    if _BASE64.fullmatch(token):
+        return 6 * len(token)
+    return 8 * len(token)
+
+
+def key_id(token: bytes) -> bytes:
+    """A token's public name: an initiator says which token it proves with (a target may
+    accept several), without revealing anything that helps guess the token."""
+    return hashlib.sha256(_KEY_ID_LABEL + token).digest()[:KEY_ID_SIZE]
+
+
+def _private(st: os.stat_result, what: str) -> None:
+    """Refuse a file or directory that someone other than its owner could use or change."""
+    if st.st_uid not in (os.geteuid(), 0):
+        raise TokenError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+
+
+def read_token_file(path: str) -> bytes:
+    """The token in ``path``: its bytes with surrounding whitespace stripped; TokenError when
+    the file is not a private regular file or the token is too short."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TokenError(f"token file {path} is not a regular file")
+        _private(st, f"token file {path}")
+        if st.st_mode & 0o077:
+            raise TokenError(
+                f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others may "
+                f"read or change it; make it private (chmod 600 {path})"
+            )
+        if st.st_size > MAX_TOKEN_FILE:
+            raise TokenError(f"token file {path} is larger than {MAX_TOKEN_FILE} bytes")
+        token = os.read(fd, MAX_TOKEN_FILE).strip()
+    except OSError as exc:
+        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if not token:
+        raise TokenError(f"token file {path} is empty")
+    if token_bits(token) < MIN_TOKEN_BITS:
+        raise TokenError(
+            f"the token in {path} holds at most {token_bits(token)} bits; at least {MIN_TOKEN_BITS} "
+            "are needed (make one with `rpmemfs token new FILE`)"
+        )
+    return token
+
+
+def new_token_file(path: str) -> None:
+    """Write a fresh 256-bit token to ``path`` (mode 0600); FileExistsError if it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, secrets.token_hex(GENERATED_BYTES).encode() + b"\n")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def default_state_dir() -> str:
+    env = os.environ.get(STATE_ENV)
+    if env:
+        return env
+    if os.geteuid() == 0:
+        return ROOT_STATE_DIR
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "rpmemfs")
+
+
+def check_state_dir(path: str) -> None:
+    """TokenError unless ``path`` is a directory of this user that nobody else may change."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise TokenError(f"state directory {path}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise TokenError(f"state directory {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise TokenError(
+            f"state directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); "
+            "refusing to use it"
+        )
+    if st.st_mode & 0o022:
+        raise TokenError(
+            f"state directory {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may change "
+            f"what is in it (chmod 700 {path})"
+        )
+
+
+def make_state_dir(path: str) -> None:
+    """Create ``path`` (mode 0700) unless it exists; then check it is this user's alone."""
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(path, mode=0o700)
+    check_state_dir(path)
+
+
+def generated_token(state_dir: str) -> tuple[bytes, str]:
+    """The token a target without --token-file uses: the one in ``state_dir`` (made there
+    now, if there is none yet) and its path."""
+    make_state_dir(state_dir)
+    path = os.path.join(state_dir, TOKEN_NAME)
+    if not os.path.lexists(path):
+        # Made aside and linked in: two targets starting together end with the same token.
+        tmp = f"{path}.{os.getpid()}.new"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        try:
+            new_token_file(tmp)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        except OSError as exc:
+            raise TokenError(f"cannot make a token in {state_dir}: {exc.strerror}") from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return read_token_file(path), path
+
+
+def local_token() -> bytes | None:
+    """The token of this user's local targets (see the module's text), or None when there
+    is none this user may read."""
+    state_dir = default_state_dir()
+    path = os.path.join(state_dir, TOKEN_NAME)
+    if not os.path.lexists(path):
+        return None
+    check_state_dir(state_dir)
+    return read_token_file(path)

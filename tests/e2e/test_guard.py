@@ -1,0 +1,436 @@
+"""Nobody but a pool's owner reaches it: tokens, per-pool authorization, pool files and the
+control plane, tried as a hostile local user would (issue 15).
+
+"As another user" runs in a child forked from this process that drops to user nobody: the
+interpreter lives under /root, which nobody may not read, so it cannot be started anew.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import stat
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import CLI, REPO, cli, describe, status_json, write_fsync
+
+from rpmemfs.mountd import control
+from rpmemfs.target import admin
+from rpmemfs.tools.processes import SpawnError, TargetProcess, child_env
+from rpmemfs.transport import TransportError, barrier, connect
+from rpmemfs.transport.tokens import STATE_ENV, TOKEN_NAME, local_token, new_token_file
+
+pytestmark = pytest.mark.timeout(120)
+
+POOL = 1 << 20
+NOBODY = 65534
+
+
+def run_as_nobody(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run by user nobody (a forked child): what it returned, or the text of what it
+    raised, as ``("raised", text)``."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to become another user")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                out: Any = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                out = ("raised", f"{type(exc).__name__}: {exc}")
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    result = json.loads(data)
+    return tuple(result) if isinstance(result, list) else result
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="rpmemfs-guard-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _target(pool_dir: Path, **kw: Any) -> TargetProcess:
+    pool_dir.mkdir(exist_ok=True)
+    t = TargetProcess(pool_dir, **kw)
+    t.start()
+    return t
+
+
+def _start_fails(pool_dir: Path, **kw: Any) -> str:
+    t = TargetProcess(pool_dir, **kw)
+    try:
+        with pytest.raises(SpawnError) as err:
+            t.start()
+    finally:
+        t.close()
+    return str(err.value)
+
+
+def _token(path: Path) -> bytes:
+    new_token_file(str(path))
+    return path.read_bytes().strip()
+
+
+# --------------------------------------------------------------------------- no unauthenticated mode
+
+
+def test_another_local_user_gets_nothing_from_a_target_started_without_a_token(scratch: Path) -> None:
+    """The target generated its token where only its user may read it; a local user who
+    cannot read it can neither list, read, write nor remove a pool, and cannot read the
+    token or the replica file either."""
+    scratch.chmod(0o711)  # what keeps nobody out is the files' own modes
+    t = _target(scratch / "pools")
+    try:
+        secret = os.urandom(4096)
+
+        async def fill() -> None:
+            async with await connect(t.address, None, lanes=1) as s:
+                region = await s.create_pool("root-only", POOL)
+                await barrier(s.lanes[0], region, [(0, secret)])
+
+        trio.run(fill)
+        token_path = Path(os.environ[STATE_ENV]) / TOKEN_NAME
+        assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+        assert "initiators must hold the token in " + str(token_path) in t.log_text()
+
+        def attempt(token: bytes | None) -> Callable[[], Any]:
+            def go() -> Any:
+                async def main() -> Any:
+                    async with await connect(t.address, token, lanes=1, timeout=5) as s:
+                        return [await s.control({"op": "pools"}),
+                                await s.control({"op": "remove", "name": "root-only"})]
+                return trio.run(main)
+            return go
+
+        for token in (None, b"", b"0" * 64, token_path.name.encode() * 8):
+            got = run_as_nobody(attempt(token))
+            assert isinstance(got, tuple) and got[0] == "raised" and "TransportError" in got[1], got
+            assert "no token" in got[1] or "not one this target accepts" in got[1], got
+        for path in (token_path, t.pool_dir / "root-only"):
+            got = run_as_nobody(lambda p=path: Path(p).read_bytes().hex())
+            assert got[0] == "raised" and "PermissionError" in got[1], got
+        # The pool is intact and still the owner's.
+        assert (t.pool_dir / "root-only").read_bytes()[: len(secret)] == secret
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("content, mode, why", [
+    (b"0123456789abcdef" * 4, 0o644, "group or others may read or change it"),
+    (b"0123456789abcdef" * 4, 0o640, "group or others may read or change it"),
+    (b"0123456789abcdef", 0o600, "at most 64 bits; at least 128 are needed"),
+    (b"short secret", 0o600, "at least 128 are needed"),
+    (b"", 0o600, "is empty"),
+])
+def test_a_weak_token_file_is_refused_at_start(scratch: Path, content: bytes, mode: int, why: str) -> None:
+    token = scratch / "token"
+    token.write_bytes(content + b"\n")
+    token.chmod(mode)
+    (scratch / "pools").mkdir()
+    assert why in _start_fails(scratch / "pools", token_file=token)
+    # ... and by the commands that read it, as by a mount.
+    res = cli("pools", "127.0.0.1:1", "--token-file", token)
+    assert res.returncode == 1 and why in res.stderr, describe(res)
+
+
+def test_token_new_makes_a_private_256_bit_token_the_target_accepts(scratch: Path) -> None:
+    path = scratch / "made"
+    res = cli("token", "new", path)
+    assert res.returncode == 0, describe(res)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(path.read_bytes().strip()) == 64
+    again = cli("token", "new", path)
+    assert again.returncode == 1 and "exists" in again.stderr
+    t = _target(scratch / "pools", token_file=path)
+    try:
+        res = cli("pools", t.address, "--token-file", path)
+        assert res.returncode == 0 and "0 pools" in res.stdout, describe(res)
+        res = cli("pools", t.address)  # the test run's generated token (if any) is not this target's
+        assert res.returncode == 1, describe(res)
+        assert "not one this target accepts" in res.stderr or "no token" in res.stderr, describe(res)
+    finally:
+        t.close()
+
+
+def test_a_state_directory_of_another_user_or_open_to_others_is_refused(scratch: Path) -> None:
+    (scratch / "pools").mkdir()
+    state = scratch / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, NOBODY, NOBODY)
+    why = _start_fails(scratch / "pools", extra=["--state-dir", str(state)])
+    assert f"belongs to uid {NOBODY}" in why
+    os.chown(state, 0, 0)
+    state.chmod(0o777)
+    why = _start_fails(scratch / "pools", extra=["--state-dir", str(state)])
+    assert "others may change what is in it" in why
+
+
+# --------------------------------------------------------------------------- per-pool authorization
+
+
+@pytest.fixture
+def authz_target(scratch: Path) -> Iterator[tuple[TargetProcess, bytes, bytes]]:
+    """A target with its admin token and alice's, limited to pools alice-* and shared."""
+    admin_token, alice = _token(scratch / "admin.token"), _token(scratch / "alice.token")
+    rules = scratch / "authz"
+    rules.write_text(f"# name role token pools\nalice pools {scratch / 'alice.token'} alice-* shared\n")
+    t = _target(scratch / "pools", token_file=scratch / "admin.token", extra=["--authz", str(rules)])
+    yield t, admin_token, alice
+    t.close()
+
+
+def test_a_token_limited_to_some_pools_reaches_only_those(
+        authz_target: tuple[TargetProcess, bytes, bytes]) -> None:
+    t, admin_token, alice = authz_target
+
+    async def main() -> None:
+        async with await connect(t.address, admin_token, lanes=0) as s:
+            await s.create_pool("bob-db", POOL)
+            await s.create_pool("shared", POOL)
+        async with await connect(t.address, alice, lanes=1) as s:
+            region = await s.create_pool("alice-1", POOL)
+            await barrier(s.lanes[0], region, [(0, b"mine")])
+            shared = await s.open_pool("shared")
+            await s.close_pool(shared)
+            for request in ({"op": "create", "name": "bob-2", "size": POOL}, {"op": "open", "name": "bob-db"},
+                            {"op": "probe", "name": "bob-db"}, {"op": "remove", "name": "bob-db"},
+                            {"op": "stats", "name": "bob-db"}):
+                with pytest.raises(TransportError, match="token 'alice' may not use pool 'bob-"):
+                    await s.control(request)
+            listed = await s.control({"op": "pools"})
+            assert sorted(listed["pools"]) == ["alice-1", "shared"]
+            assert sorted((await s.control({"op": "stats"}))["pools"]) == ["alice-1", "shared"]
+        async with await connect(t.address, admin_token, lanes=0) as s:
+            assert sorted((await s.control({"op": "pools"}))["pools"]) == ["alice-1", "bob-db", "shared"]
+
+    trio.run(main)
+    assert (t.pool_dir / "bob-db").exists() and not (t.pool_dir / "bob-2").exists()
+    assert "token 'alice' may not use pool" in t.log_text()
+
+
+def test_evict_needs_an_admin_token(scratch: Path, authz_target: tuple[TargetProcess, bytes, bytes]) -> None:
+    """Issue 14 let any authenticated session evict; a pools token may not, even its own pool."""
+    t, admin_token, alice = authz_target
+
+    async def main() -> None:
+        async with await connect(t.address, alice, lanes=0) as writer:
+            await writer.create_pool("alice-w", POOL)
+            await writer.open_pool("alice-w", (1 << 32, 1 << 32))  # claims it: the writing session
+            with pytest.raises(TransportError, match="evict needs an admin token"):
+                await admin.ask(t.address, alice, {"op": "evict", "name": "alice-w"}, 10)
+            assert (await writer.probe_pool("alice-w"))["writer"] is not None
+            reply = await admin.ask(t.address, admin_token, {"op": "evict", "name": "alice-w"}, 10)
+            assert reply["evicted"]
+
+    trio.run(main)
+    res = cli("evict", t.address, "alice-w", "--token-file", scratch / "alice.token")
+    assert res.returncode == 1 and "needs an admin token" in res.stderr, describe(res)
+
+
+@pytest.mark.parametrize("line, why", [
+    ("alice pools {tok}", "needs at least one pool name pattern"),
+    ("alice root {tok} x", "role 'root' is not one of admin, pools"),
+    ("alice admin {tok} x*", "give it no patterns"),
+    ("alice pools", "expected NAME ROLE TOKEN-FILE"),
+    ("same pools {admin} x", "is the same token as 'default'"),
+])
+def test_a_wrong_authorization_file_is_refused_at_start(scratch: Path, line: str, why: str) -> None:
+    _token(scratch / "admin.token")
+    _token(scratch / "alice.token")
+    rules = scratch / "authz"
+    line = line.format(tok=scratch / "alice.token", admin=scratch / "admin.token")
+    rules.write_text(f"# ok\n{line}\n")
+    (scratch / "pools").mkdir()
+    out = _start_fails(scratch / "pools", token_file=scratch / "admin.token", extra=["--authz", str(rules)])
+    assert f"{rules}:2" in out and why in out, out
+
+
+# --------------------------------------------------------------------------- pool files
+
+
+@pytest.mark.parametrize("mode, owner, why", [
+    (0o777, 0, "group or others may add, remove or swap pool files"),
+    (0o775, 0, "group or others may add, remove or swap pool files"),
+    (0o700, NOBODY, f"belongs to uid {NOBODY}"),
+])
+def test_a_pool_directory_others_may_change_is_refused(
+        scratch: Path, mode: int, owner: int, why: str) -> None:
+    d = scratch / "pools"
+    d.mkdir()
+    d.chmod(mode)
+    os.chown(d, owner, owner)
+    assert why in _start_fails(d)
+
+
+def test_a_symlink_swapped_in_during_open_never_lets_the_target_write_outside(scratch: Path) -> None:
+    """A pool file is replaced by a symbolic link to a file outside the pool directory (and
+    back) as fast as possible while an initiator opens, writes, flushes and claims it: the
+    outside files are never written, nor owner records planted as links followed."""
+    t = _target(scratch / "pools")
+    outside = scratch / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_bytes(b"\0" * POOL)
+    owner_victim = outside / "owner-victim"
+    owner_victim.write_bytes(b"keep")
+    pools = t.pool_dir
+    stop = threading.Event()
+    swaps = 0
+
+    def swapper() -> None:
+        nonlocal swaps
+        while not stop.is_set():
+            for name, to in ((".link", victim), (".keep", None)):
+                tmp = pools / f"{name}.tmp"
+                if to is None:
+                    os.link(pools / ".keep", tmp)
+                else:
+                    os.symlink(to, tmp)
+                os.rename(tmp, pools / "swap")
+                for record in (".swap.owner", ".swap.owner.tmp"):
+                    if not os.path.lexists(pools / record):
+                        os.symlink(owner_victim, pools / f"{record}.l")
+                        os.rename(pools / f"{record}.l", pools / record)
+            swaps += 1
+
+    async def main() -> int:
+        written = 0
+        async with await connect(t.address, None, lanes=1) as s:
+            # Closed, so that every open below opens and maps the file anew.
+            await s.close_pool(await s.create_pool("swap", POOL))
+            os.link(pools / "swap", pools / ".keep")
+            thread = threading.Thread(target=swapper, daemon=True)
+            thread.start()
+            try:
+                deadline = time.monotonic() + 6
+                epoch = 1 << 32
+                while time.monotonic() < deadline:
+                    epoch += 1
+                    try:
+                        region = await s.open_pool("swap", (epoch - 1, epoch), takeover=True)
+                    except TransportError as exc:
+                        # (a planted record link met between unlink and create; the last
+                        # mapping's lock not yet gone)
+                        assert any(w in exc.reason for w in ("symbolic link", "File exists", "in use")), exc
+                        continue
+                    await barrier(s.lanes[0], region, [(0, b"EVIL" * 1024)])
+                    await s.close_pool(region)
+                    written += 1
+            finally:
+                stop.set()
+                thread.join()
+        return written
+
+    try:
+        written = trio.run(main)
+    finally:
+        t.close()
+    assert written > 0 and swaps > 0
+    assert victim.read_bytes() == b"\0" * POOL
+    assert owner_victim.read_bytes() == b"keep"
+    assert (pools / ".keep").read_bytes()[:4] == b"EVIL"  # the real pool got the writes
+
+
+# --------------------------------------------------------------------------- control plane
+
+
+def test_a_control_socket_directory_another_user_made_first_is_refused(scratch: Path) -> None:
+    """For a user, the socket directory is under $XDG_RUNTIME_DIR (else /tmp), where another
+    user may have made it first: neither a client nor a mount uses it then."""
+    scratch.chmod(0o711)
+    runtime = scratch / "runtime"
+    runtime.mkdir(mode=0o777)
+    runtime.chmod(0o1777)
+    planted = runtime / f"rpmemfs-{NOBODY}"
+    planted.mkdir(mode=0o777)  # root's, not nobody's
+    planted.chmod(0o777)
+
+    def ask() -> Any:
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        return control.query(str(scratch))
+
+    got = run_as_nobody(ask)
+    assert got[0] == "raised" and "ControlDirError" in got[1] and "belongs to uid 0" in got[1], got
+
+    def serve() -> Any:
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        return trio.run(control.serve, control.socket_path(str(scratch)), {})
+
+    got = run_as_nobody(serve)
+    assert got[0] == "raised" and "someone else made it first" in got[1], got
+    # Root's own directory open to others is refused as well.
+    mine = scratch / "mine"
+    mine.mkdir()
+    mine.chmod(0o755)
+    with pytest.raises(control.ControlDirError, match="mode 0755"):
+        control.check_socket_dir(str(mine))
+
+
+def test_verify_clients_killed_at_random_moments_leave_the_mount_serving(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: Callable[..., Any]) -> None:
+    pool = work_dir / "app.pool"
+    replicas = [a for t in targets for a in ("--replica", f"{t.address}/app")]
+    res = cli("mkfs", pool, "--size", "128M", *replicas)
+    assert res.returncode == 0, describe(res)
+    m = mount_pool(pool)
+    write_fsync(m.path / "data", os.urandom(4 << 20))
+    rng = random.Random(15)
+    for _ in range(12):
+        client = subprocess.Popen([*CLI, "verify", str(m.path), "--chunk", "4K"], cwd=REPO,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=child_env())
+        time.sleep(rng.uniform(0.0, 0.6))
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        assert m.running, f"the daemon died with a killed verify client\n{m.output()}"
+    data = os.urandom(100_000)
+    write_fsync(m.path / "after", data)
+    assert (m.path / "after").read_bytes() == data
+    res = cli("verify", m.path)
+    assert res.returncode == 0 and "clean" in res.stdout, describe(res)
+    assert [r["state"] for r in status_json(m.path)["replicas"]] == ["in-sync", "in-sync"]
+
+
+def test_local_token_is_read_only_from_a_private_state_directory(scratch: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    state = scratch / "state"
+    state.mkdir(mode=0o700)
+    _token(state / TOKEN_NAME)
+    monkeypatch.setenv(STATE_ENV, str(state))
+    assert local_token() == (state / TOKEN_NAME).read_bytes().strip()
+    state.chmod(0o777)
+    with pytest.raises(TransportError, match="others may change what is in it"):
+        local_token()
+    state.chmod(0o700)
+    (state / TOKEN_NAME).chmod(0o644)
+    with pytest.raises(TransportError, match="chmod 600"):
+        local_token()
+    monkeypatch.setenv(STATE_ENV, str(scratch / f"none-{uuid.uuid4().hex}"))
+    assert local_token() is None

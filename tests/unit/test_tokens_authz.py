@@ -1,0 +1,90 @@
+"""Token strength, key ids and the per-pool authorization rules, without a daemon."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from rpmemfs.target.authz import AuthzError, Grant, TokenBook, read_authz
+from rpmemfs.target.pools import PoolError
+from rpmemfs.transport.tokens import (
+    MIN_TOKEN_BITS,
+    TokenError,
+    generated_token,
+    key_id,
+    new_token_file,
+    read_token_file,
+    token_bits,
+)
+
+
+def test_token_bits_count_by_alphabet() -> None:
+    assert token_bits(b"ab" * 16) == 128  # 32 hex digits
+    assert token_bits(b"Zm9v" * 5 + b"ab") == 132  # base64
+    assert token_bits(b"correct horse!!!") == 128  # anything else: bytes
+    assert token_bits(b"0123456789abcdef") < MIN_TOKEN_BITS
+
+
+def test_key_ids_name_tokens_without_being_them() -> None:
+    a, b = os.urandom(32), os.urandom(32)
+    assert key_id(a) == key_id(a) and key_id(a) != key_id(b) and len(key_id(a)) == 16
+    assert a[:16] != key_id(a)
+
+
+def test_made_and_generated_tokens_are_private_and_long(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    new_token_file(str(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert token_bits(read_token_file(str(path))) == 256
+    with pytest.raises(FileExistsError):
+        new_token_file(str(path))
+    state = tmp_path / "state"
+    token, where = generated_token(str(state))
+    assert (token, where) == generated_token(str(state))  # kept, not made again
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700 and where == str(state / "token")
+
+
+def test_a_token_file_others_may_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    new_token_file(str(path))
+    path.chmod(0o604)
+    with pytest.raises(TokenError, match="mode 0604: group or others may read or change it"):
+        read_token_file(str(path))
+
+
+def test_a_pools_grant_allows_its_patterns_only() -> None:
+    g = Grant("alice", admin=False, pools=("alice-*", "shared"))
+    assert g.allows("alice-1") and g.allows("shared") and not g.allows("shared2")
+    g.check("open", {"name": "alice-x"})
+    g.check("info", {})
+    for op, request in (("open", {"name": "bob"}), ("evict", {"name": "alice-1"})):
+        with pytest.raises(PoolError) as err:
+            g.check(op, request)
+        assert err.value.code == "denied"
+    assert g.visible({"alice-1": 1, "bob": 2}) == {"alice-1": 1}
+    admin = Grant("root", admin=True)
+    admin.check("evict", {"name": "bob"})
+    assert admin.visible({"alice-1": 1, "bob": 2}) == {"alice-1": 1, "bob": 2}
+
+
+def test_a_token_book_refuses_the_same_token_or_name_twice(tmp_path: Path) -> None:
+    book = TokenBook()
+    token = os.urandom(32)
+    book.add(token, Grant("a", admin=True))
+    found = book.find(key_id(token))
+    assert found is not None and found[1].name == "a"
+    with pytest.raises(AuthzError, match="same token"):
+        book.add(token, Grant("b", admin=True))
+    with pytest.raises(AuthzError, match="two tokens are named"):
+        book.add(os.urandom(32), Grant("a", admin=False, pools=("x",)))
+    tok = tmp_path / "alice"
+    new_token_file(str(tok))
+    rules = tmp_path / "authz"
+    rules.write_text(f"\n# comment\nalice pools {tok} alice-*  # hers\nbad admin {tmp_path / 'none'}\n")
+    with pytest.raises(AuthzError, match=r"authz:4: cannot read token file"):
+        read_authz(str(rules), book)
+    found = book.find(key_id(read_token_file(str(tok))))
+    assert found is not None and found[1] == Grant("alice", False, ("alice-*",))
