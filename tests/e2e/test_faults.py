@@ -326,7 +326,8 @@ def test_a_full_disk_on_a_target_refuses_new_pools_and_leaves_existing_ones_work
         work_dir: Path, mount_pool: MountPool) -> None:
     small = work_dir / "small-disk"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160M", "tmpfs", str(small)], check=True)
+    # (mode: a target refuses a pool directory others may write, as a fresh tmpfs is: 1777)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160M,mode=0700", "tmpfs", str(small)], check=True)
     targets: list[TargetProcess] = []
     try:
         for i, d in enumerate((work_dir / "roomy", small)):
