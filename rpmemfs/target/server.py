@@ -176,6 +176,9 @@ class Server:
                 sock.close()
                 continue
             nursery.start_soon(self._connection, sock, addr, hs)
+            # Let the handshakes this one pushed out close their sockets before the next
+            # accept: a burst must not hold descriptors past the caps.
+            await trio.lowlevel.checkpoint()
 
     async def _connection(self, sock: socket.socket, addr: Any, hs: Handshake) -> None:
         peer = format_address(addr[0], addr[1])

@@ -68,7 +68,11 @@ def _mount(pool: Path, path: Path, options: str) -> MountProcess:
 
 
 def _status(mount: MountProcess) -> dict[str, Any]:
-    return json.loads(run_rpmemfs("status", mount.mountpoint, "--json").stdout)  # type: ignore[no-any-return]
+    # (Its exit status says the mount's health: degraded and failing are states, not errors.)
+    done = run_rpmemfs("status", mount.mountpoint, "--json", check=False)
+    if done.returncode not in (0, 1, 2):
+        raise SpawnError(f"rpmemfs status {mount.mountpoint} failed: {(done.stderr or done.stdout).strip()}")
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
 def _model(journals: list[Path]) -> tuple[dict[str, tuple[bytearray, bytearray]], int, int, int]:

@@ -117,7 +117,10 @@ def test_a_connection_flood_neither_locks_out_a_mount_nor_exceeds_the_caps(
         # The target holds at most its caps of handshakes, however many were opened.
         assert flood.opened >= FLOOD_CONNECTIONS
         assert flood.closed_by_target > FLOOD_CONNECTIONS - DEFAULT_MAX_HANDSHAKES
-        assert _target_fds(target) < idle + DEFAULT_MAX_HANDSHAKES + 32, _target_fds(target)
+        # (The least of a few samples: a connection accepted just now is counted before the
+        # handshake it pushes out has closed its socket.)
+        held = min(_target_fds(target) for _ in range(5) if time.sleep(0.05) is None)
+        assert held < idle + DEFAULT_MAX_HANDSHAKES + 32, held
         m.unmount()
     assert cli("verify", pool, "--token-file", token).returncode == 0
     assert "Traceback" not in target.log_text()
