@@ -44,6 +44,9 @@ class InFlight:
     ranges: list[tuple[int, int]]
     nbytes: int
     posted: list[Posted]
+    # The policy when it was posted: a replica that joins (and raises "all") meanwhile was
+    # never sent this barrier, so it cannot be owed an acknowledgement of it.
+    required: int
 
 
 class Barriers:
@@ -129,7 +132,7 @@ class Barriers:
                 else:  # posting failed: the replica is stale now
                     self._mark([replica], ranges)
         self._inflight += 1
-        return InFlight(ranges, nbytes, posted)
+        return InFlight(ranges, nbytes, posted, self.min_replicas)
 
     async def complete(self, flight: InFlight) -> None:
         """Wait for a posted barrier; ReplicaError when too few replicas acknowledged it."""
@@ -164,7 +167,7 @@ class Barriers:
             if not self._inflight:
                 self._drained.set()
                 self._drained = trio.Event()
-        if len(acked) < self.min_replicas:
+        if len(acked) < min(flight.required, self.min_replicas):
             raise self._shortfall(len(acked), "barrier acknowledged by too few replicas")
 
     def _mark(self, replicas: list[Replica], ranges: list[tuple[int, int]]) -> None:
