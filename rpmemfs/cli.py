@@ -30,6 +30,7 @@ from rpmemfs.progress import ProgressBar
 from rpmemfs.units import human, parse_size
 
 if TYPE_CHECKING:
+    from rpmemfs.mountinfo import MountEntry
     from rpmemfs.replica.spec import ReplicaSpec
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -119,19 +120,30 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return run(args.pool, args.mountpoint, args.o or [], args.foreground)
 
 
-def cmd_umount(args: argparse.Namespace) -> int:
-    from rpmemfs.mountd import control, unmount
+def _rpmemfs_mount(mp: str, elsewise: str) -> MountEntry:
+    """The mount table's entry of the rpmemfs mount at ``mp``, found without a stat of the
+    mount point (that hangs while its daemon is stuck); CliError when there is none
+    (``elsewise`` says what to do about another file system's mount)."""
+    from rpmemfs.mountd.unmount import kernel_path
     from rpmemfs.mountinfo import mount_at
 
-    mp = args.mountpoint
-    if not args.timeout > 0:
-        raise CliError("--timeout must be a positive number of seconds")
-    point = unmount.kernel_path(mp)
+    point = kernel_path(mp)
     entry = mount_at(point)
     if entry is None:
         raise CliError(f"{mp} is not a mount point")
     if entry.fstype != "fuse.rpmemfs":
-        raise CliError(f"{mp} is not an rpmemfs mount (it is {entry.fstype}): umount(8) unmounts it")
+        raise CliError(f"{mp} is not an rpmemfs mount (it is {entry.fstype}){elsewise}")
+    return entry
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from rpmemfs.mountd import control, unmount
+
+    mp = args.mountpoint
+    if not args.timeout > 0:
+        raise CliError("--timeout must be a positive number of seconds")
+    entry = _rpmemfs_mount(mp, ": umount(8) unmounts it")
+    point = entry.mountpoint
     try:
         last = control.unmount(point, args.timeout)
     except TimeoutError:
@@ -163,17 +175,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 def _status(mountpoint: str, timeout: float = 10.0) -> dict[str, Any]:
     from rpmemfs.mountd import control
-    from rpmemfs.mountinfo import mount_at
 
-    # From the mount table, never a stat of the mount point: that hangs while the daemon is
-    # stuck, and status must say so instead.
-    here = os.path.abspath(mountpoint)
-    point = os.path.join(os.path.realpath(os.path.dirname(here)), os.path.basename(here))
-    entry = mount_at(point)
-    if entry is None:
-        raise CliError(f"{mountpoint} is not a mount point")
-    if entry.fstype != "fuse.rpmemfs":
-        raise CliError(f"{mountpoint} is a mount point of {entry.fstype}, not of rpmemfs")
+    point = _rpmemfs_mount(mountpoint, "").mountpoint
     try:
         return control.query(point, timeout=timeout)
     except (OSError, ValueError) as e:
@@ -194,15 +197,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
-    from rpmemfs.mountinfo import mount_at
-
-    here = os.path.abspath(args.mountpoint)
-    entry = mount_at(os.path.join(os.path.realpath(os.path.dirname(here)), os.path.basename(here)))
-    if entry is None or entry.fstype != "fuse.rpmemfs":
-        raise CliError(f"{args.mountpoint} is not an rpmemfs mount point: replicas are added to and "
-                       "removed from a mounted pool")
+    point = _rpmemfs_mount(args.mountpoint, ": replicas are added to and removed from a mounted pool"
+                           ).mountpoint
     words = ["replica", args.action, args.replica] + (["force"] if args.force else [])
-    reply = _ask_mount(entry.mountpoint, " ".join(words), f"replica {args.action}")
+    reply = _ask_mount(point, " ".join(words), f"replica {args.action}")
     if args.json:
         print(json.dumps(reply, indent=2))
     elif args.action == "add":

@@ -1,5 +1,5 @@
-"""Control requests (JSON in SEND payloads): create, open, probe, pools, evict, resync, close,
-remove, checksum, stats, info.
+"""Control requests (JSON in SEND payloads): create, open, probe, pools, evict, grow, resync,
+close, remove, checksum, stats, info.
 
 Not the hot path. A refused request gets a clean ``{"ok": false, "error": ...}`` reply and the
 connection stays up: bad input in a request is not a framing violation.

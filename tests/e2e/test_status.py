@@ -79,4 +79,4 @@ def test_status_of_what_is_not_an_rpmemfs_mount_is_unknown(work_dir: Path) -> No
     res = cli("status", work_dir)
     assert res.returncode == 3 and "not a mount point" in res.stderr, res
     res = cli("status", "/proc")
-    assert res.returncode == 3 and "not of rpmemfs" in res.stderr, res
+    assert res.returncode == 3 and "is not an rpmemfs mount (it is proc)" in res.stderr, res
