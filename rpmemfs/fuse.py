@@ -2,8 +2,7 @@
 
 Errno choices worth knowing: a full pool gives ENOSPC (data blocks or the metadata log);
 names over 255 bytes ENAMETOOLONG; a durability point that cannot complete gives EIO, as a
-disk would. fallocate(2) is not offered by pyfuse3, so the kernel answers EOPNOTSUPP and
-posix_fallocate(3) falls back to writing zeros, which works.
+disk would.
 """
 
 from __future__ import annotations
