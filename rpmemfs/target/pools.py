@@ -19,9 +19,24 @@ from rpmemfs.units import human
 log = logging.getLogger("rpmemfs.target.pools")
 
 PAGE = 4096
-# msync persists of more than this run in a worker thread, so one initiator's large flush on
-# a slow disk does not stall every other connection; smaller ones are not worth the hop.
+# Persists of more than this run in a worker thread, so one initiator's large flush does not
+# stall every other connection; smaller ones are not worth the hop. msync on a slow disk
+# costs far more per byte than writing back cache lines, hence two bounds.
 THREAD_PERSIST_MIN = 1 << 20
+THREAD_FLUSH_MIN = 16 << 20
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The same bytes as ``ranges``, sorted, empty ones dropped, overlapping or touching ones
+    joined: a flush list that names one region many times costs one write-back of it."""
+    out: list[tuple[int, int]] = []
+    for off, length in sorted(r for r in ranges if r[1]):
+        if out and off <= out[-1][0] + out[-1][1]:
+            start, prev = out[-1]
+            out[-1] = (start, max(prev, off + length - start))
+        else:
+            out.append((off, length))
+    return out
 
 
 class PoolError(TargetError):
@@ -85,11 +100,15 @@ class Pool:
         return find_header(self.buf)
 
     def needs_thread(self, ranges: list[tuple[int, int]]) -> bool:
-        return not self.mapping.is_pmem and sum(length for _, length in ranges) > THREAD_PERSIST_MIN
+        """Whether persisting these (merged) ranges is long enough for a worker thread."""
+        bound = THREAD_FLUSH_MIN if self.mapping.is_pmem else THREAD_PERSIST_MIN
+        return sum(length for _, length in ranges) > bound
 
-    def persist(self, ranges: list[tuple[int, int]]) -> None:
-        self.mapping.persist(ranges)
-        self.counters.add("persisted_ranges", len(ranges))
+    def persist(self, ranges: list[tuple[int, int]], *, counted: int | None = None) -> None:
+        """Persist ``ranges`` (merged first); ``counted`` is how many ranges the initiator
+        named, when the caller merged them already."""
+        self.mapping.persist(merge_ranges(ranges))
+        self.counters.add("persisted_ranges", len(ranges) if counted is None else counted)
 
     def acquire(self) -> None:
         self.users += 1
