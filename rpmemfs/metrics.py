@@ -158,6 +158,10 @@ def target_families(st: dict[str, Any]) -> Iterator[Metric]:
                                   "unauthenticated connections under their caps")
     dropped.add_metric([], float(st["handshakes_dropped"]))
     yield dropped
+    failed = CounterMetricFamily("rpmemfs_target_failed_proofs", "handshakes refused for a wrong or "
+                                 "unknown token (each answered after a per-address delay)")
+    failed.add_metric([], float(st.get("failed_proofs", 0)))
+    yield failed
     labels = ["pool"]
     counters = {
         "writes": CounterMetricFamily("rpmemfs_target_writes", "WRITE operations placed", labels=labels),

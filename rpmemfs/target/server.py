@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -18,6 +19,7 @@ from rpmemfs.target.admission import (
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_PEER,
     Admission,
+    FailedProofs,
     Handshake,
 )
 from rpmemfs.target.authz import TokenBook
@@ -89,6 +91,7 @@ class Server:
         self.control = ControlService(store, self.sessions, config.method, self.info)
         self.admission = Admission(config.max_connections, config.max_handshakes,
                                    config.max_handshakes_per_peer)
+        self.failed_proofs = FailedProofs()
         self._full_logged = 0.0
 
     async def run(self, listener: socket.socket) -> None:
@@ -135,7 +138,8 @@ class Server:
         """What the metrics show, taken on the trio thread in one go."""
         return {"sessions": len(self.sessions), "connections": self.admission.authenticated,
                 "handshakes": self.admission.handshakes,
-                "handshakes_dropped": self.admission.dropped, "pools": self.control.listing()}
+                "handshakes_dropped": self.admission.dropped,
+                "failed_proofs": self.failed_proofs.total, "pools": self.control.listing()}
 
     def _start_verbs(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         """Serve verbs on the same address and port number (rdmacm's port space is its own)."""
@@ -192,6 +196,9 @@ class Server:
             io.close()
             self.admission.end_handshake(hs)  # (nothing, once it authenticated)
 
+    async def _throttle(self, host: str) -> None:
+        await trio.sleep(self.failed_proofs.failed(host))
+
     async def _serve(self, sock: SockIO, peer: str, host: str, hs: Handshake) -> None:
         cfg = self.config
         tune(sock.sock)
@@ -199,7 +206,8 @@ class Server:
         reader = FrameReader(sock, HANDSHAKE_STAGING)
         try:
             with hs.scope, trio.fail_after(cfg.handshake_timeout):
-                role, session = await accept(sock, reader, peer, cfg.tokens, self.sessions, self.info)
+                role, session = await accept(sock, reader, peer, cfg.tokens, self.sessions, self.info,
+                                             partial(self._throttle, host))
             if hs.dropped:
                 # Pushed out by newer connections over the caps (admission.py); counted and
                 # reported there, in one line for many.

@@ -261,6 +261,47 @@ def test_target_refuses_a_wrong_answer_to_its_challenge(token_target: Running) -
         raw.close()
 
 
+def _wrong_guess(address: str) -> float:
+    """One handshake answering the challenge with a wrong token: seconds until refused."""
+    raw = RawConn(address)
+    try:
+        cnonce = auth.nonce()
+        raw.send(Hello(VERSION, Role.CONTROL, cnonce, key_id(TOKEN)).pack())
+        frame, payload = raw.frame()
+        assert frame.op == Op.CHALLENGE
+        started = time.monotonic()
+        raw.send(Frame(Op.AUTH, length=32).pack() + auth.initiator_proof(os.urandom(32), cnonce, payload[:32]))
+        code, _ = raw.closed_with_error()
+        assert code == Code.AUTH_FAILED
+        return time.monotonic() - started
+    finally:
+        raw.close()
+
+
+def test_failed_proofs_are_throttled_per_peer_but_not_the_token_holder(scratch: Path) -> None:
+    """Each wrong guess from an address is answered later than the one before (0.05 s
+    doubling to 1.5 s: a lower bound, which a slow machine only lengthens); a client that
+    holds the token, from the same address, is let in all the while."""
+    token_file = scratch / "throttle-token"
+    token_file.write_bytes(TOKEN + b"\n")
+    token_file.chmod(0o600)
+    t = Running(scratch, token_file=token_file)
+    try:
+        waits = [_wrong_guess(t.address) for _ in range(6)]
+        assert sum(waits) >= 2.5, waits  # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 + 1.5 = 3.05 s
+        assert waits[-1] >= 1.0, waits
+
+        async def holder() -> None:
+            async with await connect(t.address, TOKEN, lanes=1) as s:
+                region = await s.create_pool(pool_name(), POOL)
+                await _good_barrier(s, region, b"let in")
+
+        run(holder)
+    finally:
+        log = t.finish()
+    assert "authentication failed" in log, log
+
+
 def test_a_replayed_target_proof_does_not_authenticate(token_target: Running) -> None:
     """Reflection: offering the target's own challenge as a nonce yields nothing usable."""
     a, b = RawConn(token_target.address), RawConn(token_target.address)
