@@ -273,6 +273,24 @@ class Mounted:
                                      self.mo.replica_timeout, self.table_token_file,
                                      self._set_min_replicas, self.mo.min_replicas is None)
 
+    def reload_token(self) -> None:
+        """SIGHUP: read the token file again, for every connection to a target from now on
+        (reconnects, resyncs, replicas added); connections open now keep the token they
+        proved. Without a token file each connection reads its user's local token anyway."""
+        if not self.token_file:
+            log.info("SIGHUP: no token file: connections use the local token as it is when they open")
+            return
+        try:
+            token = read_token_file(self.token_file)
+        except (TokenError, OSError) as e:
+            log.error("SIGHUP: token file %s not reread, the token in use stays: %s", self.token_file, e)
+            return
+        if self.replicas is not None:
+            self.replicas.token = token
+        if self.membership is not None:
+            self.membership.token = token
+        log.info("SIGHUP: token file %s reread", self.token_file)
+
     def _set_min_replicas(self, n: int) -> None:
         assert self.replicas is not None  # (membership exists only with replicas)
         self.min_replicas = self.replicas.min_replicas = n
@@ -417,7 +435,7 @@ class Mounted:
         self.start()
         ready()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ending.signals, pyfuse3.terminate)
+            nursery.start_soon(ending.signals, pyfuse3.terminate, self.reload_token)
             nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:

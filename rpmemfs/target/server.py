@@ -22,7 +22,7 @@ from rpmemfs.target.admission import (
     FailedProofs,
     Handshake,
 )
-from rpmemfs.target.authz import TokenBook
+from rpmemfs.target.authz import AuthzError, TokenBook
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
 from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
@@ -32,6 +32,7 @@ from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport.address import format_address
 from rpmemfs.transport.sockio import SockIO, tune
 from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed
+from rpmemfs.transport.tokens import TokenError
 from rpmemfs.transport.wire import VERSION, Code, Role
 
 log = logging.getLogger("rpmemfs.target")
@@ -59,6 +60,8 @@ class TargetConfig:
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES  # unauthenticated connections, in total...
     max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
     metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
+    # Reads the token files again (SIGHUP); raises AuthzError/TokenError/OSError when one is wrong.
+    load_tokens: Callable[[], TokenBook] | None = None
 
 
 async def listen(host: str, port: int) -> socket.socket:
@@ -95,9 +98,10 @@ class Server:
         self._full_logged = 0.0
 
     async def run(self, listener: socket.socket) -> None:
-        """Serve until SIGTERM or SIGINT; then close every connection and every pool."""
+        """Serve until SIGTERM or SIGINT; then close every connection and every pool. SIGHUP
+        reads the token files again."""
         try:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 stop_metrics = self._serve_metrics()
                 # Announced only now, so whoever waits for the line may signal us right away.
                 address = announce(listener)
@@ -154,9 +158,27 @@ class Server:
 
     async def _stop_on_signal(self, signals: Any, scope: trio.CancelScope) -> None:
         async for signum in signals:
+            if signum == signal.SIGHUP:
+                self.reload_tokens()
+                continue
             log.info("received %s: stopping", signal.Signals(signum).name)
             scope.cancel()
             return
+
+    def reload_tokens(self) -> None:
+        """Accept the tokens the files name now: rotation without a restart. A wrong file
+        changes nothing (the error is logged); open sessions keep the token they proved."""
+        if self.config.load_tokens is None:
+            return
+        try:
+            book = self.config.load_tokens()
+        except (AuthzError, TokenError, OSError) as exc:
+            log.error("SIGHUP: tokens not reread, the ones in use stay: %s", exc)
+            notify("STATUS=token reload failed; the previous tokens stay in use")
+            return
+        self.config.tokens.replace_with(book)
+        log.info("SIGHUP: tokens reread: %s", ", ".join(
+            f"{g.name} ({'admin' if g.admin else 'pools'})" for g in book.grants()))
 
     async def _accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         while True:

@@ -270,7 +270,8 @@ def _wrong_guess(address: str) -> float:
         frame, payload = raw.frame()
         assert frame.op == Op.CHALLENGE
         started = time.monotonic()
-        raw.send(Frame(Op.AUTH, length=32).pack() + auth.initiator_proof(os.urandom(32), cnonce, payload[:32]))
+        guess = auth.initiator_proof(os.urandom(32), cnonce, payload[:32])
+        raw.send(Frame(Op.AUTH, length=32).pack() + guess)
         code, _ = raw.closed_with_error()
         assert code == Code.AUTH_FAILED
         return time.monotonic() - started
