@@ -8,7 +8,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -327,38 +327,6 @@ class Mounted:
         return {"flushed": self.mountpoint, "seconds": round(time.monotonic() - t0, 6),
                 "replicas": len(self.specs), "in_sync": len(rs.in_sync) if rs is not None else 0}
 
-    async def _with_progress(self, total: int, send: control.Send,
-                             work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]
-                             ) -> dict[str, Any]:
-        """Run ``work`` while progress lines go to the asker twice a second.
-
-        The work is the daemon's once started: an asker that goes away (killed, say) only
-        stops the lines, and the work runs to its end. Cancelling it halfway would lose the
-        replica's connection in the middle of a request (transport/conn.py) with the replica
-        still counted in sync; only the end of the mount cancels it (see _sync)."""
-        done = [0]
-        finished = trio.Event()
-
-        def count(n: int) -> None:
-            done[0] += n
-
-        async def ticker() -> None:
-            # Sends are never cancelled (a half line would garble the answer after it), so
-            # this ends between them, when the work has.
-            while not send.gone:
-                with trio.move_on_after(0.5):
-                    await finished.wait()
-                if finished.is_set():
-                    return
-                await send({"progress": done[0], "total": total})
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker)
-            try:
-                return await work(count)
-            finally:
-                finished.set()
-
     async def _verify(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs verify MOUNTPOINT`: the live pool against every replica."""
         rs = self.replicas
@@ -378,7 +346,7 @@ class Mounted:
             report.seconds = time.monotonic() - t0
             return report.as_dict()
 
-        return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
+        return await control.with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
 
     async def _sync(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs sync MOUNTPOINT`: verify-and-repair of every in-sync replica now; the
@@ -425,7 +393,7 @@ class Mounted:
                     "seconds": round(time.monotonic() - t0, 3), "replicas": results,
                     "clean": all("error" not in e for e in results)}
 
-        return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
+        return await control.with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
 
     async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
         await self.connect_replicas()

@@ -6,8 +6,10 @@ import logging
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
+from rpmemfs.latency import BOUNDS_S, Snapshot
 from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import find_header
@@ -47,10 +49,15 @@ class PoolError(TargetError):
         self.code = code
 
 
+# The lanes' C loops count persist latencies in the buckets of the daemon's histograms.
+lib.rpm_persist_bounds([round(b * 1e9) for b in BOUNDS_S], len(BOUNDS_S))
+
+
 class PoolCounters:
     """What initiators did to one pool, kept in C memory: the lanes' C threads count too."""
 
-    FIELDS = ("writes", "bytes", "flushes", "reads", "atomics", "persisted_ranges")
+    FIELDS = ("writes", "bytes", "flushes", "reads", "atomics", "persisted_ranges", "persisted_bytes",
+              "persists", "persist_ns")
 
     def __init__(self) -> None:
         self.c: Any = ffi.new("struct rpm_counters *")
@@ -58,8 +65,22 @@ class PoolCounters:
     def add(self, field: str, n: int = 1) -> None:
         lib.rpm_count(ffi.addressof(self.c[0], field), n)
 
-    def as_dict(self) -> dict[str, int]:
-        return {f: int(getattr(self.c, f)) for f in self.FIELDS}
+    def persisted(self, ns: int, nbytes: int) -> None:
+        lib.rpm_count_persist(self.c, ns, nbytes)
+
+    def persist_latency(self) -> Snapshot:
+        """Flushes' write-backs (general-purpose method; under apm each write is written back
+        as it is placed and there is no separate persist to time)."""
+        total, cumulative = 0, []
+        for i in range(len(BOUNDS_S) + 1):
+            total += int(self.c.persist_hist[i])
+            cumulative.append(total)
+        return Snapshot(tuple(cumulative), int(self.c.persist_ns) / 1e9, int(self.c.persists))
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f: int(getattr(self.c, f)) for f in self.FIELDS}
+        out["persist_buckets"] = list(self.persist_latency().buckets)
+        return out
 
 
 class Pool:
@@ -107,7 +128,10 @@ class Pool:
     def persist(self, ranges: list[tuple[int, int]], *, counted: int | None = None) -> None:
         """Persist ``ranges`` (merged first); ``counted`` is how many ranges the initiator
         named, when the caller merged them already."""
-        self.mapping.persist(merge_ranges(ranges))
+        merged = merge_ranges(ranges)
+        started = time.monotonic_ns()
+        self.mapping.persist(merged)
+        self.counters.persisted(time.monotonic_ns() - started, sum(length for _, length in merged))
         self.counters.add("persisted_ranges", len(ranges) if counted is None else counted)
 
     def acquire(self) -> None:
