@@ -28,6 +28,11 @@ from rpmemfs.pool.layout import BLOCK
 log = logging.getLogger("rpmemfs.fuse")
 
 STATUS_XATTR = b"user.rpmemfs.status"
+# File capabilities are not supported (as on a nosuid mount): the name is never stored, and
+# the patched pyfuse3 answers ENODATA for it without a coroutine (see absent_xattrs). The
+# kernel asks for it before every write, since libfuse 3.14 cannot negotiate
+# FUSE_HANDLE_KILLPRIV_V2 (which would let the kernel skip it).
+CAPABILITY_XATTR = b"security.capability"
 TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon anyway
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -69,8 +74,11 @@ class Operations(pyfuse3.Operations):
         self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
         # before every write (FUSE clears SB_NOSEC; libfuse 3.14 cannot request
-        # HANDLE_KILLPRIV_V2), which saves one round trip per write.
+        # HANDLE_KILLPRIV_V2), which saves one round trip per write; with them, the
+        # binding answers that question itself.
         self.xattrs = xattrs
+        self.absent_xattrs = frozenset({CAPABILITY_XATTR}) if xattrs else frozenset()
+        self.getxattr_calls = 0  # that reached this daemon's Python code, for status
         self.describe = describe
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._next_dh = 1
@@ -288,6 +296,8 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.ENOSYS)
         if name == STATUS_XATTR:
             raise FsError(errno.EPERM)
+        if name == CAPABILITY_XATTR:
+            raise FsError(errno.EOPNOTSUPP)  # file capabilities are not supported (see above)
         def set_it() -> Inode:
             self.fs.setxattr(inode, name, value)
             return self.fs.node(inode)
@@ -296,6 +306,7 @@ class Operations(pyfuse3.Operations):
 
     @errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        self.getxattr_calls += 1
         if not self.xattrs:
             raise FsError(errno.ENOSYS)
         if name == STATUS_XATTR and inode == pyfuse3.ROOT_INODE:

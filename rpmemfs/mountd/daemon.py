@@ -140,6 +140,7 @@ class Mounted:
             "poll_us": self.ops.poller.budget_us,
             "poll_passes": self.ops.poller.polls,
             "poll_yielded": self.ops.poller.yielded,
+            "getxattr_calls": self.ops.getxattr_calls,
             "log": {"area": fs.log.active, "generation": fs.log.gen, "used": fs.log.used,
                     "capacity": fs.log.capacity, "records_appended": fs.log.records,
                     "checkpoints": fs.log.checkpoints},
