@@ -15,6 +15,8 @@ class Caller(Protocol):
 
     def in_group_or_capable(self, gid: int) -> bool: ...
 
+    def capable_fsetid(self) -> bool: ...
+
 
 @dataclass
 class Creds:
@@ -27,6 +29,9 @@ class Creds:
 
     def in_group_or_capable(self, gid: int) -> bool:
         return gid == self.gid or gid in self.groups or self.fsetid
+
+    def capable_fsetid(self) -> bool:
+        return self.fsetid
 
 
 ROOT = Creds(0, 0, fsetid=True)

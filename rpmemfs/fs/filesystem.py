@@ -576,12 +576,14 @@ class Filesystem:
 
     def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime: int | None = None,
-                mtime: int | None = None, atime_now: bool = False, mtime_now: bool = False,
-                caller: Caller | None = None) -> Inode:
+                mtime: int | None = None, atime_now: bool = False, mtime_now: bool = False
+                ) -> Inode:
         """Change attributes. A time given is stored as given (utimensat with a value: it may
         go back, as on ext4); ``*_now`` (UTIME_NOW, touch) takes this inode's next tick
         instead of the kernel's time, so that it never goes before the last change. A new
-        mode rewrites the access ACL's owner, group (or mask) and other entries to match."""
+        mode rewrites the access ACL's owner, group (or mask) and other entries to match.
+        Setuid and setgid on chown and truncate are the kernel's to clear: it sends the
+        mode it wants along (HANDLE_KILLPRIV is not negotiated)."""
         node = self.node(ino)
         acl_value = node.xattrs.get(A.ACCESS) if self.posix_acl and mode is not None else None
         self._room(R.INODE.size + R.TRUNC.size
@@ -599,13 +601,6 @@ class Filesystem:
                 value = A.encode(acl)
                 node.xattrs[A.ACCESS] = value
                 self._map_change(node, R.xset(ino, A.ACCESS, value))
-        if (uid is not None or gid is not None) and not node.is_dir:
-            # chown(2) clears setuid, and setgid with group execute (or when the caller is
-            # not in the group), for root too, as on ext4; with FUSE it is ours to do.
-            kill = stat.S_ISUID
-            if node.mode & stat.S_IXGRP or not (caller or ROOT).in_group_or_capable(node.gid):
-                kill |= stat.S_ISGID
-            node.mode &= ~kill
         if uid is not None:
             node.uid = uid
         if gid is not None:
@@ -620,6 +615,24 @@ class Filesystem:
         elif mtime is not None:
             node.mtime = mtime
         self._touch(node)
+        return node
+
+    def open_truncate(self, ino: int, caller: Caller) -> Inode:
+        """open(O_TRUNC): the kernel sends no setattr (atomic O_TRUNC), so what its truncate
+        does is done here: size 0, new mtime, and setuid/setgid cleared as a write by the
+        caller would clear them (should_remove_suid)."""
+        node = self.node(ino)
+        self._room(R.INODE.size + R.TRUNC.size)
+        if node.is_reg and node.mode & (stat.S_ISUID | stat.S_ISGID) and not caller.capable_fsetid():
+            kill = stat.S_ISUID
+            if node.mode & stat.S_IXGRP or not caller.in_group_or_capable(node.gid):
+                kill |= stat.S_ISGID
+            node.mode &= ~kill
+        if node.size:
+            self.truncate(node, 0)
+        else:
+            self._tick(node, mtime=True)
+            self._touch(node)
         return node
 
     def truncate(self, node: Inode, size: int) -> None:
