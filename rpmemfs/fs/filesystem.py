@@ -698,7 +698,9 @@ class Filesystem:
             raise FsError(errno.EOPNOTSUPP)
         acl = A.parse(value)
         if name == A.DEFAULT and not node.is_dir:
-            raise FsError(errno.EACCES)  # as set_posix_acl answers
+            if acl:
+                raise FsError(errno.EACCES)  # as set_posix_acl answers
+            return
         self._new_inode_room(R.XSET.size + len(name) + len(value) + R.INODE.size + 8)
         keep: bytes | None = A.encode(acl) if acl else None
         if name == A.ACCESS and acl:

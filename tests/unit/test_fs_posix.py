@@ -315,3 +315,9 @@ def test_acls_survive_a_checkpoint(fs: Filesystem) -> None:
     want = tree(fs)
     fs.checkpoint()
     assert tree(remount(fs)) == want
+
+
+def test_removing_a_default_acl_from_a_file_is_no_error(fs: Filesystem) -> None:
+    f = fs.create(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0).ino
+    fs.setxattr(f, A.DEFAULT, struct.pack("<I", 2))  # what setfacl -k sends: nothing to remove
+    assert fs.getxattr(f, A.DEFAULT) is None
