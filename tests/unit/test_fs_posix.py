@@ -321,3 +321,14 @@ def test_removing_a_default_acl_from_a_file_is_no_error(fs: Filesystem) -> None:
     f = fs.create(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0).ino
     fs.setxattr(f, A.DEFAULT, struct.pack("<I", 2))  # what setfacl -k sends: nothing to remove
     assert fs.getxattr(f, A.DEFAULT) is None
+
+
+def test_caller_groups_and_cap_fsetid_from_proc_status() -> None:
+    from rpmemfs.callers import ProcCaller, parse_status
+
+    status = "Name:\tsetfacl\nUid:\t1000\t1000\t1000\t1000\nGroups:\t3000 4000 \nCapEff:\t0000000000000010\n"
+    assert parse_status(status) == (frozenset({3000, 4000}), True)
+    assert parse_status("Groups:\t\nCapEff:\t0000000000000000\n") == (frozenset(), False)
+    gone = ProcCaller(1000, 1000, pid=0)  # no pid: the fsgid alone counts
+    assert gone.in_group_or_capable(1000) and not gone.in_group_or_capable(3000)
+    assert not gone.capable_fsetid()
