@@ -332,3 +332,18 @@ def test_caller_groups_and_cap_fsetid_from_proc_status() -> None:
     gone = ProcCaller(1000, 1000, pid=0)  # no pid: the fsgid alone counts
     assert gone.in_group_or_capable(1000) and not gone.in_group_or_capable(3000)
     assert not gone.capable_fsetid()
+
+
+def test_check_reports_a_malformed_stored_acl(fs: Filesystem) -> None:
+    from rpmemfs.fs.check import check
+
+    f = fs.create(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0).ino
+    fs.setxattr(f, A.ACCESS, NAMED)
+    durable(fs)
+    assert check(memoryview(bytearray(fs.buf)))["problems"] == []
+    fs.posix_acl = False  # as an older mount stored whatever it was given
+    fs.setxattr(f, A.ACCESS, NAMED[:-8])
+    fs.setxattr(f, A.DEFAULT, NAMED)
+    durable(fs)
+    problems = check(memoryview(bytearray(fs.buf)))["problems"]
+    assert len(problems) == 2 and "malformed system.posix_acl_access" in problems[0], problems
