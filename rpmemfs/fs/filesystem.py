@@ -164,23 +164,6 @@ class Filesystem:
         if not name or b"/" in name or name in (b".", b".."):
             raise FsError(errno.EINVAL)
 
-    @staticmethod
-    def _tick(node: Inode, mtime: bool = False) -> int:
-        """Advance node's ctime (and mtime with it when asked) to now, and return it.
-
-        The kernel's clock, from which some times come (utimensat with given times), is
-        coarser than this one and may be behind it; and the wall clock may be set back. A
-        change still never takes ctime back nor leaves it unchanged, and an mtime set here
-        is never before one set here earlier: both come after the last ctime.
-        """
-        now = time.time_ns()
-        if now <= node.ctime:
-            now = node.ctime + 1
-        node.ctime = now
-        if mtime:
-            node.mtime = now
-        return now
-
     def _touch(self, node: Inode) -> None:
         if node.dirty is None:
             node.dirty = []
@@ -391,7 +374,7 @@ class Filesystem:
             node.parent = parent
             pnode.nlink += 1
         pnode.children[name] = ino
-        self._tick(pnode, mtime=True)
+        pnode.tick(mtime=True)
         self._touch(node)
         self._touch(pnode)
         for k, v in xattrs.items():
@@ -437,9 +420,9 @@ class Filesystem:
             raise FsError(errno.EEXIST)
         self._room(R.INODE.size * 2 + R.LINK.size + len(name) + 8)
         node.nlink += 1
-        self._tick(node)
+        node.tick()
         pnode.children[name] = ino
-        self._tick(pnode, mtime=True)
+        pnode.tick(mtime=True)
         self._touch(node)
         self._touch(pnode)
         self._commit([R.link(parent, name, ino)])
@@ -473,8 +456,8 @@ class Filesystem:
             pnode.nlink -= 1
         else:
             node.nlink -= 1
-        self._tick(node)
-        self._tick(pnode, mtime=True)
+        node.tick()
+        pnode.tick(mtime=True)
         self._touch(pnode)
         self._touch(node)
         entries = [R.unlink(parent, name)]
@@ -536,7 +519,7 @@ class Filesystem:
                         moved.parent = to.ino
                         to.nlink += 1
                         frm.nlink -= 1
-            self._tick(dst)
+            dst.tick()
             self._touch(dst)
         else:
             if dst is not None:
@@ -545,7 +528,7 @@ class Filesystem:
                     np_.nlink -= 1
                 else:
                     dst.nlink -= 1
-                self._tick(dst)
+                dst.tick()
                 self._touch(dst)
                 freed = self._free_if_unused(dst)
                 if freed:
@@ -558,10 +541,10 @@ class Filesystem:
                 src.parent = new_parent
                 np_.nlink += 1
                 op.nlink -= 1
-        self._tick(src)
-        self._tick(op, mtime=True)
+        src.tick()
+        op.tick(mtime=True)
         if np_ is not op:
-            self._tick(np_, mtime=True)
+            np_.tick(mtime=True)
         self._touch(src)
         self._touch(op)
         self._touch(np_)
@@ -605,7 +588,7 @@ class Filesystem:
             node.uid = uid
         if gid is not None:
             node.gid = gid
-        now = self._tick(node)
+        now = node.tick()
         if atime_now:
             node.atime = now
         elif atime is not None:
@@ -631,7 +614,7 @@ class Filesystem:
         if node.size:
             self.truncate(node, 0)
         else:
-            self._tick(node, mtime=True)
+            node.tick(mtime=True)
             self._touch(node)
         return node
 
@@ -657,7 +640,7 @@ class Filesystem:
                 self.alloc.defer(runs)
                 self._map_change(node, R.trunc(node.ino, first))
         node.size = size
-        self._tick(node, mtime=True)
+        node.tick(mtime=True)
         self._touch(node)
 
     def _zero_tail(self, node: Inode, old_size: int, upto: int) -> None:
@@ -686,7 +669,7 @@ class Filesystem:
             return
         self._new_inode_room(R.XSET.size + len(name) + len(value) + R.INODE.size + 8)
         node.xattrs[name] = value
-        self._tick(node)
+        node.tick()
         self._map_change(node, R.xset(ino, name, value))
 
     def _set_acl(self, node: Inode, name: bytes, value: bytes, caller: Caller) -> None:
@@ -716,7 +699,7 @@ class Filesystem:
         elif name in node.xattrs:
             del node.xattrs[name]
             self._map_change(node, R.xdel(node.ino, name))
-        self._tick(node)
+        node.tick()
         self._touch(node)
 
     def getxattr(self, ino: int, name: bytes) -> bytes | None:
@@ -730,7 +713,7 @@ class Filesystem:
             raise FsError(errno.ENODATA)
         self._room(R.XDEL.size + len(name) + R.INODE.size + 8)
         del node.xattrs[name]
-        self._tick(node)
+        node.tick()
         self._map_change(node, R.xdel(ino, name))
 
     # ---------------------------------------------------------------- open files
@@ -827,7 +810,7 @@ class Filesystem:
         if end > node.size:
             node.size = end
         now = time.time_ns()
-        if now <= node.ctime:  # _tick, inline: this is the write path
+        if now <= node.ctime:  # Inode.tick, inline: this is the write path
             now = node.ctime + 1
         node.mtime = node.ctime = now
         if node.dirty is None:
