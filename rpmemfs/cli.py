@@ -1,5 +1,5 @@
 """The `rpmemfs` command: mkfs, mount, umount, status, flush, check, verify, sync, recover,
-promote, pools, evict, target, bench, soak, demo.
+promote, pools, evict, target, bench, soak, timeline, demo.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
@@ -460,6 +460,12 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return soak.main(args.rest)
 
 
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from rpmemfs.tools import timeline
+
+    return timeline.main(args.rest)
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     from rpmemfs.target.cli import build_parser
     from rpmemfs.target.cli import main as target_main
@@ -640,6 +646,8 @@ def build_parser() -> ArgumentParser:
             "(see `rpmemfs bench --help`)", own_options=True)
     command("soak", cmd_soak, "writers against two replicas while targets are killed; then "
             "every acknowledged write is checked (see `rpmemfs soak --help`)", own_options=True)
+    command("timeline", cmd_timeline, "fsync, replica state and lag recorded through a target's "
+            "kill and restart, and plotted (see `rpmemfs timeline --help`)", own_options=True)
 
     s = command("demo", cmd_demo, "a demo mount in DIR; Ctrl-C stops it")
     s.add_argument("dir")

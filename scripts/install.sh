@@ -28,7 +28,9 @@ extras=""
 system=0
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="[test]" ;;
+    # The package's extras, "[test]", "[plot]" or "[test,plot]"; plot is matplotlib, for the
+    # plot `rpmemfs timeline` draws (nothing else needs it).
+    --test | --plot) extras="${extras:+${extras%]},}${arg#--}]"; extras="[${extras#[}" ;;
     --system) system=1 ;;
   esac
 done

@@ -1,0 +1,481 @@
+"""`rpmemfs timeline OUT_DIR` (or `python -m rpmemfs.tools.timeline OUT_DIR`): what fsync,
+the replicas' states and their lag do through a target's death and resync, recorded from a
+real run and plotted.
+
+Two target daemons on loopback, a fresh pool replicated to both and mounted with
+min_replicas=1 (so fsync goes on while one target is dead). A writer does 4 KiB pwrite +
+fsync in a loop, at offsets that move on through a file (so the dead replica's lag grows),
+timing every fsync; a sampler asks the mount's control socket for its status (what
+`rpmemfs status --json` prints) every --interval. The scenario: --steady seconds as they are,
+`kill -9` of the second target, --dead seconds later the same daemon again (same address, same
+pool directory), then on until that replica is in sync again, plus --after seconds.
+
+OUT_DIR gets timeline.json (everything), fsyncs.csv, samples.csv, the daemons' logs, and,
+when matplotlib is importable, timeline.png (or --plot FILE: .png or .svg): fsync latency,
+replica state and lag, on one time axis. Everything started is stopped at the end, also on
+Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from argparse import Namespace, RawDescriptionHelpFormatter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rpmemfs.cliparse import ArgumentParser
+from rpmemfs.mountd.control import query
+from rpmemfs.mountd.status import health
+from rpmemfs.mountinfo import fs_type
+from rpmemfs.progress import Notes
+from rpmemfs.tools.fsync_writer import WRITE_SIZE, read_records
+from rpmemfs.tools.processes import (
+    MountProcess,
+    SpawnError,
+    TargetProcess,
+    child_env,
+    python_module,
+    run_rpmemfs,
+)
+
+POOL_NAME = "timeline"
+MOUNT_TIMEOUT = 60.0
+SETTLE_TIMEOUT = 60.0  # for both replicas to be in sync before the clock starts
+STATUS_TIMEOUT = 2.0  # one status query; a sample that takes longer records the failure
+JOIN_TIMEOUT = 30.0  # the writer may be in an fsync held up to replica_timeout
+
+_log = Notes("timeline")
+
+
+class TimelineError(SpawnError):
+    """The run could not be made or did not go as the scenario says (a writer's write failed,
+    the mount did not answer, the replicas were never in sync)."""
+
+
+@dataclass
+class Fsync:
+    t: float  # seconds since the clock started, when the fsync was called
+    seconds: float  # how long it took
+    errno: int | None = None  # None: it succeeded
+
+
+@dataclass
+class ReplicaSample:
+    state: str
+    lag_bytes: int | None  # None: unknown, the replica must be compared in full
+    behind_since: float | None  # wall clock, when it last left in-sync (the daemon's record)
+    resync: str | None = None  # "phase percent%" while a resync runs
+
+
+@dataclass
+class Sample:
+    t: float
+    health: str  # healthy, degraded, failing; "unknown" when the query failed
+    replicas: dict[str, ReplicaSample] = field(default_factory=dict)  # by address
+    error: str | None = None  # why the query failed
+
+
+@dataclass
+class Event:
+    t: float
+    what: str  # kill, dead (reaped), restart, listening (the new daemon), in-sync, end
+    replica: str
+
+
+@dataclass
+class Timeline:
+    settings: dict[str, Any]
+    started_at: float  # wall clock at t = 0
+    replicas: list[str] = field(default_factory=list)  # addresses, in the pool's order
+    victim: str = ""  # the address of the target killed and restarted
+    events: list[Event] = field(default_factory=list)
+    fsyncs: list[Fsync] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def event(self, what: str) -> Event | None:
+        return next((e for e in self.events if e.what == what), None)
+
+    def summary(self) -> dict[str, Any]:
+        """What to read from the run, in numbers (also printed, and kept in timeline.json)."""
+        lat = sorted(f.seconds for f in self.fsyncs)
+        out: dict[str, Any] = {
+            "fsyncs": len(self.fsyncs),
+            "failed_fsyncs": sum(1 for f in self.fsyncs if f.errno is not None),
+            "fsync_p50_s": _quantile(lat, 0.5),
+            "fsync_p99_s": _quantile(lat, 0.99),
+            "fsync_max_s": lat[-1] if lat else None,
+        }
+        kill, restart, back = self.event("kill"), self.event("restart"), self.event("in-sync")
+        if kill is not None:
+            window = [f for f in self.fsyncs if kill.t - 0.5 <= f.t <= kill.t + 2.0]
+            if window:
+                worst = max(window, key=lambda f: f.seconds)
+                out["fsync_max_at_kill_s"] = worst.seconds
+                out["fsync_max_at_kill_t"] = worst.t
+            left = [s for s in self.samples if s.t >= kill.t and self._state(s) not in (None, "in-sync")]
+            if left:
+                since = left[0].replicas[self.victim].behind_since
+                if since is not None:
+                    # The daemon's own clock for when it failed the replica, not the sampler's.
+                    out["left_in_sync_after_s"] = since - (self.started_at + kill.t)
+            if restart is not None:
+                dead = [f for f in self.fsyncs if kill.t <= f.t < restart.t]
+                out["fsyncs_while_dead"] = len(dead)
+                out["fsyncs_per_s_while_dead"] = len(dead) / max(restart.t - kill.t, 1e-9)
+        steady = [f for f in self.fsyncs if kill is None or f.t < kill.t]
+        if steady:
+            out["fsyncs_per_s_steady"] = len(steady) / max(steady[-1].t, 1e-9)
+        lags = [s.replicas[self.victim].lag_bytes for s in self.samples if self.victim in s.replicas]
+        out["victim_max_lag_bytes"] = max((x for x in lags if x is not None), default=None)
+        if restart is not None and back is not None:
+            out["in_sync_after_restart_s"] = back.t - restart.t
+            resyncing = [s.t for s in self.samples
+                         if s.t >= restart.t and self._state(s) == "resyncing"]
+            if resyncing:
+                out["resyncing_seen_s"] = resyncing[-1] - resyncing[0]
+        reaped = self.event("dead")
+        if kill is not None and reaped is not None:
+            out["kill_reaped_after_s"] = reaped.t - kill.t
+        listening = self.event("listening")
+        if restart is not None and listening is not None:
+            out["target_start_s"] = listening.t - restart.t
+        return out
+
+    def _state(self, s: Sample) -> str | None:
+        r = s.replicas.get(self.victim)
+        return None if r is None else r.state
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "started_at": self.started_at,
+            "replicas": self.replicas,
+            "victim": self.victim,
+            "summary": self.summary(),
+            "events": [asdict(e) for e in self.events],
+            "samples": [asdict(s) for s in self.samples],
+            # Rows, not objects: a run has tens of thousands of them.
+            "fsync_columns": ["t", "seconds", "errno"],
+            "fsyncs": [[round(f.t, 6), round(f.seconds, 7), f.errno] for f in self.fsyncs],
+        }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _sample(mountpoint: Path, t: float) -> Sample:
+    try:
+        st = query(str(mountpoint), "status", timeout=STATUS_TIMEOUT)
+    except (OSError, ValueError) as e:  # (ValueError: a garbled answer)
+        return Sample(t, "unknown", error=str(e) or type(e).__name__)
+    if "error" in st:
+        return Sample(t, "unknown", error=str(st["error"]))
+    replicas = {}
+    for r in st.get("replicas") or []:
+        p = r.get("resync")
+        progress = None
+        if isinstance(p, dict) and p.get("total"):
+            progress = f"{p.get('phase')} {100 * p.get('done', 0) // p['total']}%"
+        lag = r.get("lag_bytes")
+        since = r.get("behind_since")
+        replicas[str(r["address"])] = ReplicaSample(
+            str(r["state"]), lag if isinstance(lag, int) else None,
+            since if isinstance(since, (int, float)) else None, progress)
+    return Sample(t, health(st)[0].name.lower(), replicas)
+
+
+class _Recorder:
+    """The writer (a process of its own: fsync_writer.py) and the sampler (a thread), on one
+    clock: the system's monotonic clock, from t0."""
+
+    def __init__(self, timeline: Timeline, mountpoint: Path, records: Path, interval: float,
+                 span: int) -> None:
+        self.timeline = timeline
+        self.mountpoint = mountpoint
+        self.records = records
+        self.interval = interval
+        self.span = span
+        self.t0 = time.monotonic()
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self.writer: subprocess.Popen[bytes] | None = None
+        self.sampler = threading.Thread(target=self._watch, daemon=True, name="sampler")
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def start(self) -> None:
+        self.timeline.started_at = time.time()
+        self.t0 = time.monotonic()
+        self.writer = subprocess.Popen(
+            python_module("rpmemfs.tools.fsync_writer", self.mountpoint / "timeline.dat",
+                          self.records, str(self.span)),
+            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
+        self.sampler.start()
+
+    def check(self) -> None:
+        """TimelineError if the writer or the sampler failed."""
+        if self.failure is not None:
+            raise TimelineError(f"the status sampler failed: {self.failure}") from self.failure
+        if self.writer is not None and self.writer.poll() is not None:
+            raise TimelineError(f"the writer exited with status {self.writer.returncode}: "
+                                + self._writer_error())
+
+    def stop(self) -> None:
+        """Stop both and take the writer's records into the timeline."""
+        self.stopping.set()
+        if self.writer is not None:
+            if self.writer.poll() is None:
+                self.writer.terminate()
+            try:
+                self.writer.wait(JOIN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                # In an fsync that never returns: the mount is stopped after this anyway.
+                self.writer.kill()
+                self.writer.wait()
+            if self.writer.stderr is not None:
+                self.writer.stderr.close()
+        if self.sampler.is_alive():
+            self.sampler.join(JOIN_TIMEOUT)
+        if self.records.exists():
+            self.timeline.fsyncs = [Fsync(start - self.t0, seconds, errno or None)
+                                    for start, seconds, errno in read_records(str(self.records))]
+
+    def _writer_error(self) -> str:
+        assert self.writer is not None and self.writer.stderr is not None
+        return self.writer.stderr.read().decode(errors="replace").strip()[-2000:] or "(no message)"
+
+    def latest(self) -> Sample | None:
+        return self.timeline.samples[-1] if self.timeline.samples else None
+
+    def _watch(self) -> None:
+        try:
+            tick = 0
+            while not self.stopping.is_set():
+                self.timeline.samples.append(_sample(self.mountpoint, self.now()))
+                # On a fixed schedule: a slow answer shortens the next wait rather than shifting
+                # it, and ticks missed meanwhile are skipped rather than made up in a burst.
+                tick = max(tick + 1, int(self.now() / self.interval))
+                self.stopping.wait(max(0.0, self.t0 + tick * self.interval - time.monotonic()))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by check()
+            self.failure = e
+
+
+def _wait(rec: _Recorder, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        rec.check()
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+
+def _all_in_sync(mountpoint: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _sample(mountpoint, 0.0)
+        if s.replicas and all(r.state == "in-sync" for r in s.replicas.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimelineError(f"the replicas were not in sync {timeout:g} s after mounting: "
+                                f"{s.error or {a: r.state for a, r in s.replicas.items()}}")
+        time.sleep(0.1)
+
+
+def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float = 5.0,
+        interval: float = 0.1, replica_timeout: float = 10.0, resync_timeout: float = 120.0,
+        pool_size: str = "512M", span: int = 256 << 20, work_dir: Path | None = None) -> Timeline:
+    """Run the scenario (see the module's text) and return what was recorded; the daemons'
+    logs are left in ``out_dir``. The pools live in ``work_dir`` (default: a new directory
+    under /dev/shm, removed at the end)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    own_work = work_dir is None
+    work = work_dir if work_dir is not None else Path(tempfile.mkdtemp(prefix="rpmemfs-timeline-",
+                                                                          dir="/dev/shm"))
+    work.mkdir(parents=True, exist_ok=True)
+    mode = "force" if fs_type(str(work)) == "tmpfs" else "auto"
+    timeline = Timeline(settings={
+        "steady_s": steady, "dead_s": dead, "after_s": after, "interval_s": interval,
+        "replica_timeout_s": replica_timeout, "min_replicas": 1, "pool_size": pool_size,
+        "write_size": WRITE_SIZE, "span_bytes": span, "pmem": mode,
+    }, started_at=time.time())
+    targets: list[TargetProcess] = []
+    mount: MountProcess | None = None
+    rec: _Recorder | None = None
+    try:
+        for i in range(2):
+            d = work / f"target{i}"
+            d.mkdir(mode=0o700, exist_ok=True)  # a target refuses a directory others may change
+            t = TargetProcess(d, log_path=out_dir / f"target{i}.log")
+            targets.append(t)
+            t.start()
+        timeline.replicas = [t.address for t in targets]
+        timeline.victim = targets[1].address
+        pool = work / "timeline.pool"
+        run_rpmemfs("mkfs", pool, "--size", pool_size, "--force",
+                    *(a for t in targets for a in ("--replica", f"{t.address}/{POOL_NAME}")))
+        mount = MountProcess.rpmemfs(
+            pool, work / "mnt",
+            f"pmem={mode},min_replicas=1,replica_timeout={replica_timeout:g},log_level=info",
+            log_path=out_dir / "mount.log")
+        mount.start(MOUNT_TIMEOUT)
+        _all_in_sync(mount.mountpoint, SETTLE_TIMEOUT)
+
+        rec = _Recorder(timeline, mount.mountpoint, work / "fsyncs.bin", interval, span)
+        rec.start()
+        _log(f"writer and sampler started; {steady:g} s steady, then kill -9 of {timeline.victim}")
+        _wait(rec, steady)
+        timeline.events.append(Event(rec.now(), "kill", timeline.victim))
+        targets[1].kill()
+        # (When the kernel has torn it down and closed its sockets; SIGKILL is not instant.)
+        timeline.events.append(Event(rec.now(), "dead", timeline.victim))
+        _wait(rec, dead)
+        again = targets[1].respawn(log_path=out_dir / "target1-restarted.log")
+        timeline.events.append(Event(rec.now(), "restart", timeline.victim))
+        targets[1].close()
+        targets[1] = again
+        again.start()
+        timeline.events.append(Event(rec.now(), "listening", timeline.victim))
+        _log(f"{timeline.victim} restarted; waiting for it to be in sync again")
+        restarted = timeline.events[-2].t
+        deadline = time.monotonic() + resync_timeout
+        while True:
+            rec.check()
+            s = rec.latest()
+            if s is not None and s.t > restarted:
+                r = s.replicas.get(timeline.victim)
+                if r is not None and r.state == "in-sync":
+                    timeline.events.append(Event(s.t, "in-sync", timeline.victim))
+                    break
+            if time.monotonic() > deadline:
+                _log(f"{timeline.victim} not in sync {resync_timeout:g} s after its restart")
+                break
+            time.sleep(interval / 2)
+        _wait(rec, after)
+        timeline.events.append(Event(rec.now(), "end", timeline.victim))
+        rec.check()
+        rec.stop()
+        rec = None
+        return timeline
+    finally:
+        if rec is not None:
+            rec.stop()
+        if mount is not None:
+            mount.stop(MOUNT_TIMEOUT)
+        for t in targets:
+            t.stop()
+            t.close()
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def write_outputs(timeline: Timeline, out_dir: Path) -> list[Path]:
+    """timeline.json, fsyncs.csv and samples.csv in ``out_dir``; the paths written."""
+    paths = [out_dir / "timeline.json", out_dir / "fsyncs.csv", out_dir / "samples.csv"]
+    paths[0].write_text(json.dumps(timeline.to_json(), indent=1) + "\n")
+    with paths[1].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t", "seconds", "errno"])
+        w.writerows([f"{x.t:.6f}", f"{x.seconds:.7f}", "" if x.errno is None else x.errno]
+                    for x in timeline.fsyncs)
+    with paths[2].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t", "health", "replica", "state", "lag_bytes", "resync", "error"])
+        for s in timeline.samples:
+            if not s.replicas:
+                w.writerow([f"{s.t:.3f}", s.health, "", "", "", "", s.error or ""])
+            for addr, r in s.replicas.items():
+                w.writerow([f"{s.t:.3f}", s.health, addr, r.state,
+                            "" if r.lag_bytes is None else r.lag_bytes, r.resync or "", ""])
+    return paths
+
+
+PLOT_HINT = ("matplotlib is not installed, so no plot was drawn; install it with "
+             "`scripts/install.sh --plot` (or `pip install 'rpmemfs[plot]'`) and run again")
+
+
+def _report(timeline: Timeline) -> list[str]:
+    s = timeline.summary()
+
+    def ms(key: str) -> str:
+        v = s.get(key)
+        return "-" if v is None else f"{v * 1e3:.2f} ms"
+
+    lines = [f"{s['fsyncs']} fsyncs, {s['failed_fsyncs']} failed; p50 {ms('fsync_p50_s')}, "
+             f"p99 {ms('fsync_p99_s')}, max {ms('fsync_max_s')}"]
+    if "fsync_max_at_kill_s" in s:
+        lines.append(f"slowest fsync around the kill: {ms('fsync_max_at_kill_s')}")
+    if "left_in_sync_after_s" in s:
+        lines.append(f"{timeline.victim} left in-sync {s['left_in_sync_after_s']:.3f} s after the kill")
+    if s.get("victim_max_lag_bytes") is not None:
+        lines.append(f"its lag grew to {s['victim_max_lag_bytes'] / (1 << 20):.1f} MiB")
+    if "fsyncs_per_s_steady" in s and "fsyncs_per_s_while_dead" in s:
+        lines.append(f"fsyncs per second: {s['fsyncs_per_s_steady']:.0f} steady, "
+                     f"{s['fsyncs_per_s_while_dead']:.0f} with one target dead")
+    if "in_sync_after_restart_s" in s:
+        lines.append(f"in sync again {s['in_sync_after_restart_s']:.2f} s after the restart "
+                     f"(the daemon took {s.get('target_start_s', 0):.2f} s to listen)")
+    else:
+        lines.append(f"{timeline.victim} was NOT in sync again after its restart")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="rpmemfs timeline", description=__doc__,
+                       formatter_class=RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where the recording, logs and plot go")
+    p.add_argument("--steady", type=float, default=5.0, help="seconds before the kill (default 5)")
+    p.add_argument("--dead", type=float, default=5.0, help="seconds the target stays dead (default 5)")
+    p.add_argument("--after", type=float, default=5.0,
+                   help="seconds recorded once it is in sync again (default 5)")
+    p.add_argument("--interval", type=float, default=0.1, help="seconds between status samples "
+                   "(default 0.1)")
+    p.add_argument("--replica-timeout", type=float, default=10.0,
+                   help="the mount's replica_timeout (default 10, the mount's own default)")
+    p.add_argument("--resync-timeout", type=float, default=120.0,
+                   help="give up waiting for the resync after this many seconds (default 120)")
+    p.add_argument("--pool-size", default="512M")
+    p.add_argument("--plot", metavar="FILE", help="the plot's file, .png or .svg "
+                   "(default OUT_DIR/timeline.png)")
+    args: Namespace = p.parse_args(argv)
+    if min(args.steady, args.dead, args.after, args.interval, args.replica_timeout) <= 0:
+        p.error("--steady, --dead, --after, --interval and --replica-timeout must be positive")
+    plot = Path(args.plot) if args.plot else Path(args.out_dir) / "timeline.png"
+    if plot.suffix not in (".png", ".svg"):
+        p.error(f"--plot {plot}: the file must end in .png or .svg")
+    out = Path(args.out_dir)
+    try:
+        timeline = run(out, steady=args.steady, dead=args.dead, after=args.after,
+                       interval=args.interval, replica_timeout=args.replica_timeout,
+                       resync_timeout=args.resync_timeout, pool_size=args.pool_size)
+    except KeyboardInterrupt:
+        print("rpmemfs timeline: interrupted; everything it started is stopped", file=sys.stderr)
+        return 130
+    except SpawnError as e:
+        print(f"rpmemfs timeline: {e}", file=sys.stderr)
+        return 1
+    written = write_outputs(timeline, out)
+    from rpmemfs.tools import timeline_plot
+
+    if timeline_plot.available():
+        timeline_plot.draw(timeline, plot)
+        written.append(plot)
+    else:
+        print(f"rpmemfs timeline: {PLOT_HINT}", file=sys.stderr)
+    for line in _report(timeline):
+        print(line)
+    print("wrote " + ", ".join(str(w) for w in written))
+    return 0 if timeline.event("in-sync") is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
