@@ -1,0 +1,73 @@
+"""The failover timeline (rpmemfs/tools/timeline.py), short: real targets, a real mount with
+min_replicas=1, a target killed with -9 and started again; the recording must show what the
+documentation's plot says (docs/operations.md, "Watching a target die and come back")."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from rpmemfs.tools.timeline import Sample, Timeline, run, write_outputs
+
+REPLICA_TIMEOUT = 5.0
+
+
+def _victim_states(tl: Timeline, start: float, end: float) -> list[Sample]:
+    return [s for s in tl.samples if start <= s.t < end and tl.victim in s.replicas]
+
+
+def test_a_killed_target_falls_behind_gathers_lag_and_resyncs_while_fsync_goes_on(work_dir: Path) -> None:
+    out = work_dir / "out"
+    tl = run(out, steady=1.0, dead=1.5, after=0.5, replica_timeout=REPLICA_TIMEOUT,
+             pool_size="128M", span=64 << 20, work_dir=work_dir / "work")
+    kill, restart, back = tl.event("kill"), tl.event("restart"), tl.event("in-sync")
+    assert kill is not None and restart is not None, tl.events
+    assert back is not None, f"the killed replica was not in sync again: {tl.samples[-5:]}"
+    assert len(tl.replicas) == 2 and tl.victim == tl.replicas[1]
+    other = tl.replicas[0]
+
+    # min_replicas=1: no fsync failed, and fsyncs went on while the target was dead.
+    assert tl.fsyncs, "the writer recorded no fsync"
+    assert [f for f in tl.fsyncs if f.errno is not None] == []
+    assert any(kill.t < f.t < restart.t for f in tl.fsyncs), "no fsync completed while the target was dead"
+
+    # It left in-sync, within replica_timeout of the kill by the daemon's own clock.
+    dead = _victim_states(tl, kill.t, restart.t)
+    behind = [s for s in dead if s.replicas[tl.victim].state != "in-sync"]
+    assert behind, [s.replicas[tl.victim] for s in dead]
+    since = behind[0].replicas[tl.victim].behind_since
+    assert since is not None
+    assert -0.5 < since - (tl.started_at + kill.t) <= REPLICA_TIMEOUT, since - (tl.started_at + kill.t)
+    assert all(s.health == "degraded" for s in behind)
+
+    # Its lag grew while it was dead (the writer moves on through the file), never shrank.
+    lags = [s.replicas[tl.victim].lag_bytes for s in behind]
+    assert all(x is not None for x in lags), lags
+    known = [x for x in lags if x is not None]
+    assert known == sorted(known) and known[-1] > known[0], known
+
+    # Back in sync after the restart, lag 0, and so to the end.
+    after = _victim_states(tl, back.t, float("inf"))
+    assert after and all(s.replicas[tl.victim].state == "in-sync" for s in after), after
+    assert all(s.replicas[tl.victim].lag_bytes == 0 for s in after)
+    assert after[-1].health == "healthy"
+    assert tl.summary()["victim_max_lag_bytes"] >= known[-1]
+
+    # The other replica never left in-sync.
+    sampled = [s for s in tl.samples if s.replicas]
+    assert sampled and all(s.replicas[other].state == "in-sync" and s.replicas[other].lag_bytes == 0
+                           for s in sampled)
+
+    # What the tool leaves behind: the recording and the daemons' logs.
+    json_path, fsyncs_csv, samples_csv = write_outputs(tl, out)
+    doc = json.loads(json_path.read_text())
+    assert doc["victim"] == tl.victim and doc["summary"]["failed_fsyncs"] == 0
+    assert len(doc["fsyncs"]) == len(tl.fsyncs)
+    with fsyncs_csv.open() as f:
+        assert sum(1 for _ in csv.DictReader(f)) == len(tl.fsyncs)
+    with samples_csv.open() as f:
+        states = {(r["replica"], r["state"]) for r in csv.DictReader(f)}
+    assert (tl.victim, "stale") in states and (other, "in-sync") in states
+    assert "fell behind" in (out / "mount.log").read_text()
+    assert (out / "target1-restarted.log").exists()
