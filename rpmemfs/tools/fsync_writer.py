@@ -1,7 +1,7 @@
 """The timeline's writer: 4 KiB pwrite + fsync in a loop, every fsync timed.
 
 `python -m rpmemfs.tools.fsync_writer FILE RECORDS SPAN`: writes FILE (in the mount) at
-offsets moving on by the write size, wrapping at SPAN bytes, until SIGTERM or SIGINT; appends
+offsets moving on by the write size, wrapping at SPAN bytes, until SIGTERM; appends
 one record per fsync to RECORDS (outside the mount): RECORD.pack(start, seconds, errno), the
 start on the system's monotonic clock (the same in every process, so the parent can put it on
 its own time axis) and errno 0 when the fsync succeeded.
@@ -31,7 +31,9 @@ def run(path: str, records: str, span: int) -> None:
         stopping = True
 
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    # A Ctrl-C at the terminal reaches the whole process group: the tool stops the writer
+    # itself (SIGTERM) once it has seen the interrupt, not the other way round.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     data = os.urandom(WRITE_SIZE)
     out = os.open(records, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_TRUNC, 0o644)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)

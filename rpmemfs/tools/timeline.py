@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -312,20 +313,25 @@ def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float =
     mount: MountProcess | None = None
     rec: _Recorder | None = None
     try:
+        # A token of the run's own: the machine's default one (and its state directory) is
+        # neither used nor made.
+        token = work / "token"
+        run_rpmemfs("token", "new", token)
         for i in range(2):
             d = work / f"target{i}"
             d.mkdir(mode=0o700, exist_ok=True)  # a target refuses a directory others may change
-            t = TargetProcess(d, log_path=out_dir / f"target{i}.log")
+            t = TargetProcess(d, token_file=token, log_path=out_dir / f"target{i}.log")
             targets.append(t)
             t.start()
         timeline.replicas = [t.address for t in targets]
         timeline.victim = targets[1].address
         pool = work / "timeline.pool"
-        run_rpmemfs("mkfs", pool, "--size", pool_size, "--force",
+        run_rpmemfs("mkfs", pool, "--size", pool_size, "--force", "--token-file", token,
                     *(a for t in targets for a in ("--replica", f"{t.address}/{POOL_NAME}")))
         mount = MountProcess.rpmemfs(
             pool, work / "mnt",
-            f"pmem={mode},min_replicas=1,replica_timeout={replica_timeout:g},log_level=info",
+            f"pmem={mode},min_replicas=1,replica_timeout={replica_timeout:g},token_file={token},"
+            "log_level=info",
             log_path=out_dir / "mount.log")
         mount.start(MOUNT_TIMEOUT)
         _all_in_sync(mount.mountpoint, SETTLE_TIMEOUT)
@@ -453,12 +459,18 @@ def main(argv: list[str] | None = None) -> int:
     if plot.suffix not in (".png", ".svg"):
         p.error(f"--plot {plot}: the file must end in .png or .svg")
     out = Path(args.out_dir)
+
+    def _terminate(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # stopped as by Ctrl-C: everything started is stopped
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         timeline = run(out, steady=args.steady, dead=args.dead, after=args.after,
                        interval=args.interval, replica_timeout=args.replica_timeout,
                        resync_timeout=args.resync_timeout, pool_size=args.pool_size)
     except KeyboardInterrupt:
-        print("rpmemfs timeline: interrupted; everything it started is stopped", file=sys.stderr)
+        print("rpmemfs timeline: interrupted; everything it started is stopped, nothing written",
+              file=sys.stderr)
         return 130
     except SpawnError as e:
         print(f"rpmemfs timeline: {e}", file=sys.stderr)

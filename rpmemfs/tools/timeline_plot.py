@@ -96,7 +96,8 @@ def draw(timeline: Timeline, path: Path) -> None:
             ax.axvline(e.t, color=color, linestyle="--", linewidth=1)
         # One below the other: a quick resync puts its marks close together.
         ax_lat.annotate(f"{label} {e.t:.1f} s", (e.t, 1), xycoords=("data", "axes fraction"),
-                        xytext=(3, -11 - 11 * i), textcoords="offset points", fontsize=8, color=color)
+                        xytext=(3, -11 - 11 * i), textcoords="offset points", fontsize=8, color=color,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1, "alpha": 0.8})
     ax_lag.set_xlim(0, end)
     for ax in (ax_lat, ax_state, ax_lag):
         ax.grid(True, axis="x", alpha=0.3)
