@@ -8,7 +8,10 @@ fsync in a loop, at offsets that move on through a file (so the dead replica's l
 timing every fsync; a sampler asks the mount's control socket for its status (what
 `rpmemfs status --json` prints) every --interval. The scenario: --steady seconds as they are,
 `kill -9` of the second target, --dead seconds later the same daemon again (same address, same
-pool directory), then on until that replica is in sync again, plus --after seconds.
+pool directory), then on until that replica is in sync again, plus --after seconds. With
+--fault hang the target is stopped (SIGSTOP) instead, and continued (SIGCONT) --dead seconds
+later: a daemon that stops answering without its connections being reset, as a hung process
+or a host gone from the network would (the mount waits replica_timeout for it).
 
 OUT_DIR gets timeline.json (everything), fsyncs.csv, samples.csv, the daemons' logs, and,
 when matplotlib is importable, timeline.png (or --plot FILE: .png or .svg): fsync latency,
@@ -50,6 +53,8 @@ from rpmemfs.tools.processes import (
 POOL_NAME = "timeline"
 MOUNT_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 60.0  # for both replicas to be in sync before the clock starts
+FAULTS = {"kill": "kill -9", "hang": "SIGSTOP"}  # what --fault does to the target
+FAULT_ENDS = {"kill": "restarted", "hang": "continued (SIGCONT)"}
 STATUS_TIMEOUT = 2.0  # one status query; a sample that takes longer records the failure
 JOIN_TIMEOUT = 30.0  # the writer may be in an fsync held up to replica_timeout
 
@@ -74,6 +79,7 @@ class ReplicaSample:
     lag_bytes: int | None  # None: unknown, the replica must be compared in full
     behind_since: float | None  # wall clock, when it last left in-sync (the daemon's record)
     resync: str | None = None  # "phase percent%" while a resync runs
+    last_error: str | None = None  # what keeps it out of sync
 
 
 @dataclass
@@ -87,7 +93,9 @@ class Sample:
 @dataclass
 class Event:
     t: float
-    what: str  # kill, dead (reaped), restart, listening (the new daemon), in-sync, end
+    # The fault: kill, then dead (reaped), restart, listening (the new daemon); or hang, then
+    # resume. Then in-sync (the victim, first seen in sync again), end.
+    what: str
     replica: str
 
 
@@ -101,8 +109,17 @@ class Timeline:
     fsyncs: list[Fsync] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
 
-    def event(self, what: str) -> Event | None:
-        return next((e for e in self.events if e.what == what), None)
+    def event(self, *what: str) -> Event | None:
+        """The first event that is one of ``what``."""
+        return next((e for e in self.events if e.what in what), None)
+
+    @property
+    def fault(self) -> Event | None:
+        return self.event("kill", "hang")
+
+    @property
+    def recovery(self) -> Event | None:
+        return self.event("restart", "resume")
 
     def summary(self) -> dict[str, Any]:
         """What to read from the run, in numbers (also printed, and kept in timeline.json)."""
@@ -114,40 +131,43 @@ class Timeline:
             "fsync_p99_s": _quantile(lat, 0.99),
             "fsync_max_s": lat[-1] if lat else None,
         }
-        kill, restart, back = self.event("kill"), self.event("restart"), self.event("in-sync")
-        if kill is not None:
-            window = [f for f in self.fsyncs if kill.t - 0.5 <= f.t <= kill.t + 2.0]
+        fault, recovery, back = self.fault, self.recovery, self.event("in-sync")
+        if fault is not None:
+            out["fault"] = fault.what
+            # (By when they began: the fsync a fault holds up began about when it struck.)
+            window = [f for f in self.fsyncs if fault.t - 0.5 <= f.t <= fault.t + 2.0]
             if window:
                 worst = max(window, key=lambda f: f.seconds)
-                out["fsync_max_at_kill_s"] = worst.seconds
-                out["fsync_max_at_kill_t"] = worst.t
-            left = [s for s in self.samples if s.t >= kill.t and self._state(s) not in (None, "in-sync")]
+                out["fsync_max_at_fault_s"] = worst.seconds
+                out["fsync_max_at_fault_t"] = worst.t
+            left = [s for s in self.samples if s.t >= fault.t and self._state(s) not in (None, "in-sync")]
             if left:
-                since = left[0].replicas[self.victim].behind_since
-                if since is not None:
+                r = left[0].replicas[self.victim]
+                if r.behind_since is not None:
                     # The daemon's own clock for when it failed the replica, not the sampler's.
-                    out["left_in_sync_after_s"] = since - (self.started_at + kill.t)
-            if restart is not None:
-                dead = [f for f in self.fsyncs if kill.t <= f.t < restart.t]
-                out["fsyncs_while_dead"] = len(dead)
-                out["fsyncs_per_s_while_dead"] = len(dead) / max(restart.t - kill.t, 1e-9)
-        steady = [f for f in self.fsyncs if kill is None or f.t < kill.t]
+                    out["left_in_sync_after_s"] = r.behind_since - (self.started_at + fault.t)
+                out["left_in_sync_because"] = r.last_error
+            if recovery is not None:
+                down = [f for f in self.fsyncs if fault.t <= f.t < recovery.t]
+                out["fsyncs_while_down"] = len(down)
+                out["fsyncs_per_s_while_down"] = len(down) / max(recovery.t - fault.t, 1e-9)
+        steady = [f for f in self.fsyncs if fault is None or f.t < fault.t]
         if steady:
             out["fsyncs_per_s_steady"] = len(steady) / max(steady[-1].t, 1e-9)
         lags = [s.replicas[self.victim].lag_bytes for s in self.samples if self.victim in s.replicas]
         out["victim_max_lag_bytes"] = max((x for x in lags if x is not None), default=None)
-        if restart is not None and back is not None:
-            out["in_sync_after_restart_s"] = back.t - restart.t
+        if recovery is not None and back is not None:
+            out["in_sync_after_recovery_s"] = back.t - recovery.t
             resyncing = [s.t for s in self.samples
-                         if s.t >= restart.t and self._state(s) == "resyncing"]
+                         if s.t >= recovery.t and self._state(s) == "resyncing"]
             if resyncing:
                 out["resyncing_seen_s"] = resyncing[-1] - resyncing[0]
         reaped = self.event("dead")
-        if kill is not None and reaped is not None:
-            out["kill_reaped_after_s"] = reaped.t - kill.t
+        if fault is not None and reaped is not None:
+            out["kill_reaped_after_s"] = reaped.t - fault.t
         listening = self.event("listening")
-        if restart is not None and listening is not None:
-            out["target_start_s"] = listening.t - restart.t
+        if recovery is not None and listening is not None:
+            out["target_start_s"] = listening.t - recovery.t
         return out
 
     def _state(self, s: Sample) -> str | None:
@@ -192,7 +212,8 @@ def _sample(mountpoint: Path, t: float) -> Sample:
         since = r.get("behind_since")
         replicas[str(r["address"])] = ReplicaSample(
             str(r["state"]), lag if isinstance(lag, int) else None,
-            since if isinstance(since, (int, float)) else None, progress)
+            since if isinstance(since, (int, float)) else None, progress,
+            str(r["last_error"]) if r.get("last_error") else None)
     return Sample(t, health(st)[0].name.lower(), replicas)
 
 
@@ -294,6 +315,7 @@ def _all_in_sync(mountpoint: Path, timeout: float) -> None:
 
 def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float = 5.0,
         interval: float = 0.1, replica_timeout: float = 10.0, resync_timeout: float = 120.0,
+        fault: str = "kill",
         pool_size: str = "512M", span: int = 256 << 20, work_dir: Path | None = None) -> Timeline:
     """Run the scenario (see the module's text) and return what was recorded; the daemons'
     logs are left in ``out_dir``. The pools live in ``work_dir`` (default: a new directory
@@ -307,11 +329,14 @@ def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float =
     timeline = Timeline(settings={
         "steady_s": steady, "dead_s": dead, "after_s": after, "interval_s": interval,
         "replica_timeout_s": replica_timeout, "min_replicas": 1, "pool_size": pool_size,
-        "write_size": WRITE_SIZE, "span_bytes": span, "pmem": mode,
+        "write_size": WRITE_SIZE, "span_bytes": span, "pmem": mode, "fault": fault,
     }, started_at=time.time())
+    if fault not in FAULTS:
+        raise ValueError(f"fault {fault!r}: one of {', '.join(FAULTS)}")
     targets: list[TargetProcess] = []
     mount: MountProcess | None = None
     rec: _Recorder | None = None
+    hung: TargetProcess | None = None
     try:
         # A token of the run's own: the machine's default one (and its state directory) is
         # neither used nor made.
@@ -338,32 +363,45 @@ def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float =
 
         rec = _Recorder(timeline, mount.mountpoint, work / "fsyncs.bin", interval, span)
         rec.start()
-        _log(f"writer and sampler started; {steady:g} s steady, then kill -9 of {timeline.victim}")
+        _log(f"writer and sampler started; {steady:g} s steady, then "
+             f"{FAULTS[fault]} of {timeline.victim}")
         _wait(rec, steady)
-        timeline.events.append(Event(rec.now(), "kill", timeline.victim))
-        targets[1].kill()
-        # (When the kernel has torn it down and closed its sockets; SIGKILL is not instant.)
-        timeline.events.append(Event(rec.now(), "dead", timeline.victim))
-        _wait(rec, dead)
-        again = targets[1].respawn(log_path=out_dir / "target1-restarted.log")
-        timeline.events.append(Event(rec.now(), "restart", timeline.victim))
-        targets[1].close()
-        targets[1] = again
-        again.start()
-        timeline.events.append(Event(rec.now(), "listening", timeline.victim))
-        _log(f"{timeline.victim} restarted; waiting for it to be in sync again")
-        restarted = timeline.events[-2].t
+        victim = targets[1]
+        assert victim.proc is not None
+        if fault == "kill":
+            timeline.events.append(Event(rec.now(), "kill", timeline.victim))
+            victim.kill()
+            # (When the kernel has torn it down and closed its sockets; SIGKILL is not instant.)
+            timeline.events.append(Event(rec.now(), "dead", timeline.victim))
+            _wait(rec, dead)
+            again = victim.respawn(log_path=out_dir / "target1-restarted.log")
+            recovered = rec.now()
+            timeline.events.append(Event(recovered, "restart", timeline.victim))
+            victim.close()
+            targets[1] = again
+            again.start()
+            timeline.events.append(Event(rec.now(), "listening", timeline.victim))
+        else:
+            timeline.events.append(Event(rec.now(), "hang", timeline.victim))
+            hung = victim
+            victim.proc.send_signal(signal.SIGSTOP)
+            _wait(rec, dead)
+            recovered = rec.now()
+            timeline.events.append(Event(recovered, "resume", timeline.victim))
+            victim.proc.send_signal(signal.SIGCONT)
+            hung = None
+        _log(f"{timeline.victim} {FAULT_ENDS[fault]}; waiting for it to be in sync again")
         deadline = time.monotonic() + resync_timeout
         while True:
             rec.check()
             s = rec.latest()
-            if s is not None and s.t > restarted:
+            if s is not None and s.t > recovered:
                 r = s.replicas.get(timeline.victim)
                 if r is not None and r.state == "in-sync":
                     timeline.events.append(Event(s.t, "in-sync", timeline.victim))
                     break
             if time.monotonic() > deadline:
-                _log(f"{timeline.victim} not in sync {resync_timeout:g} s after its restart")
+                _log(f"{timeline.victim} not in sync {resync_timeout:g} s after it {FAULT_ENDS[fault]}")
                 break
             time.sleep(interval / 2)
         _wait(rec, after)
@@ -373,6 +411,8 @@ def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float =
         rec = None
         return timeline
     finally:
+        if hung is not None and hung.proc is not None:
+            hung.proc.send_signal(signal.SIGCONT)  # (so that it can stop as asked)
         if rec is not None:
             rec.stop()
         if mount is not None:
@@ -401,7 +441,8 @@ def write_outputs(timeline: Timeline, out_dir: Path) -> list[Path]:
                 w.writerow([f"{s.t:.3f}", s.health, "", "", "", "", s.error or ""])
             for addr, r in s.replicas.items():
                 w.writerow([f"{s.t:.3f}", s.health, addr, r.state,
-                            "" if r.lag_bytes is None else r.lag_bytes, r.resync or "", ""])
+                            "" if r.lag_bytes is None else r.lag_bytes, r.resync or "",
+                            r.last_error or ""])
     return paths
 
 
@@ -418,20 +459,26 @@ def _report(timeline: Timeline) -> list[str]:
 
     lines = [f"{s['fsyncs']} fsyncs, {s['failed_fsyncs']} failed; p50 {ms('fsync_p50_s')}, "
              f"p99 {ms('fsync_p99_s')}, max {ms('fsync_max_s')}"]
-    if "fsync_max_at_kill_s" in s:
-        lines.append(f"slowest fsync around the kill: {ms('fsync_max_at_kill_s')}")
+    fault = FAULTS.get(str(s.get("fault")), "the fault")
+    ends = FAULT_ENDS.get(str(s.get("fault")), "recovered")
+    if "fsync_max_at_fault_s" in s:
+        lines.append(f"slowest fsync from the {fault} on: {ms('fsync_max_at_fault_s')}")
     if "left_in_sync_after_s" in s:
-        lines.append(f"{timeline.victim} left in-sync {s['left_in_sync_after_s']:.3f} s after the kill")
+        lines.append(f"{timeline.victim} left in-sync {s['left_in_sync_after_s']:.3f} s after the "
+                     f"{fault}: {s.get('left_in_sync_because')}")
+    else:
+        lines.append(f"{timeline.victim} never left in-sync")
     if s.get("victim_max_lag_bytes") is not None:
         lines.append(f"its lag grew to {s['victim_max_lag_bytes'] / (1 << 20):.1f} MiB")
-    if "fsyncs_per_s_steady" in s and "fsyncs_per_s_while_dead" in s:
+    if "fsyncs_per_s_steady" in s and "fsyncs_per_s_while_down" in s:
         lines.append(f"fsyncs per second: {s['fsyncs_per_s_steady']:.0f} steady, "
-                     f"{s['fsyncs_per_s_while_dead']:.0f} with one target dead")
-    if "in_sync_after_restart_s" in s:
-        lines.append(f"in sync again {s['in_sync_after_restart_s']:.2f} s after the restart "
-                     f"(the daemon took {s.get('target_start_s', 0):.2f} s to listen)")
+                     f"{s['fsyncs_per_s_while_down']:.0f} with one target down")
+    if "in_sync_after_recovery_s" in s:
+        start = (f" (the daemon took {s['target_start_s']:.2f} s to listen)"
+                 if "target_start_s" in s else "")
+        lines.append(f"in sync again {s['in_sync_after_recovery_s']:.2f} s after it {ends}{start}")
     else:
-        lines.append(f"{timeline.victim} was NOT in sync again after its restart")
+        lines.append(f"{timeline.victim} was NOT in sync again after it {ends}")
     return lines
 
 
@@ -439,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="rpmemfs timeline", description=__doc__,
                        formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("out_dir", metavar="OUT_DIR", help="where the recording, logs and plot go")
-    p.add_argument("--steady", type=float, default=5.0, help="seconds before the kill (default 5)")
-    p.add_argument("--dead", type=float, default=5.0, help="seconds the target stays dead (default 5)")
+    p.add_argument("--fault", choices=tuple(FAULTS), default="kill",
+                   help="kill: kill -9 and start it again; hang: SIGSTOP and SIGCONT (default kill)")
+    p.add_argument("--steady", type=float, default=5.0, help="seconds before the fault (default 5)")
+    p.add_argument("--dead", type=float, default=5.0,
+                   help="seconds the target stays dead or stopped (default 5)")
     p.add_argument("--after", type=float, default=5.0,
                    help="seconds recorded once it is in sync again (default 5)")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between status samples "
@@ -467,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         timeline = run(out, steady=args.steady, dead=args.dead, after=args.after,
                        interval=args.interval, replica_timeout=args.replica_timeout,
-                       resync_timeout=args.resync_timeout, pool_size=args.pool_size)
+                       resync_timeout=args.resync_timeout, pool_size=args.pool_size, fault=args.fault)
     except KeyboardInterrupt:
         print("rpmemfs timeline: interrupted; everything it started is stopped, nothing written",
               file=sys.stderr)

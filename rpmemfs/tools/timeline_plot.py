@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 STATE_COLORS = {"in-sync": "#2ca02c", "connecting": "#7f7f7f", "stale": "#d62728",
                 "resyncing": "#ff7f0e", "unknown": "#ffffff"}
 EVENT_STYLES = {"kill": ("#d62728", "kill -9"), "restart": ("#1f77b4", "restarted"),
+                "hang": ("#d62728", "SIGSTOP"), "resume": ("#1f77b4", "SIGCONT"),
                 "in-sync": ("#2ca02c", "in sync")}
+TITLES = {"kill": "a target's kill -9 and restart", "hang": "a target's hang (SIGSTOP) and SIGCONT"}
 BIN_SECONDS = 0.25  # the worst fsync of each bin is drawn as a line over the points
 
 
@@ -35,7 +37,7 @@ def draw(timeline: Timeline, path: Path) -> None:
     fig, (ax_lat, ax_state, ax_lag) = plt.subplots(
         3, 1, sharex=True, figsize=(9, 6.5), height_ratios=[3, 1.2, 2], layout="constrained")
     st = timeline.settings
-    fig.suptitle(f"fsync through a target's kill -9 and restart (min_replicas={st['min_replicas']}, "
+    fig.suptitle(f"fsync through {TITLES[st.get('fault', 'kill')]} (min_replicas={st['min_replicas']}, "
                  f"replica_timeout={st['replica_timeout_s']:g} s, {st['write_size'] // 1024} KiB "
                  "writes)", fontsize=10)
     end = max([e.t for e in timeline.events] + [s.t for s in timeline.samples] + [0.0])
@@ -59,6 +61,7 @@ def draw(timeline: Timeline, path: Path) -> None:
     ax_lat.set_ylabel("fsync latency (ms)")
     ax_lat.legend(loc="upper right", fontsize=8, markerscale=4)
 
+    victim = "killed" if st.get("fault", "kill") == "kill" else "stopped"
     lanes = list(reversed(timeline.replicas))
     for row, addr in enumerate(lanes):
         spans: dict[str, list[tuple[float, float]]] = {}
@@ -72,7 +75,7 @@ def draw(timeline: Timeline, path: Path) -> None:
             ax_state.broken_barh(bars, (row - 0.35, 0.7), facecolors=STATE_COLORS.get(state, "#000000"),
                                  edgecolor="none")
     ax_state.set_yticks(range(len(lanes)))
-    ax_state.set_yticklabels([a + (" (killed)" if a == timeline.victim else "") for a in lanes],
+    ax_state.set_yticklabels([a + (f" ({victim})" if a == timeline.victim else "") for a in lanes],
                              fontsize=8)
     ax_state.set_ylim(-0.6, len(lanes) - 0.4)
     seen = {r.state for s in timeline.samples for r in s.replicas.values()}
@@ -84,7 +87,7 @@ def draw(timeline: Timeline, path: Path) -> None:
     for addr in timeline.replicas:
         ts = [s.t for s in timeline.samples if addr in s.replicas]
         lag = [_mib(s.replicas[addr].lag_bytes) for s in timeline.samples if addr in s.replicas]
-        ax_lag.step(ts, lag, where="post", label=addr + (" (killed)" if addr == timeline.victim else ""))
+        ax_lag.step(ts, lag, where="post", label=addr + (f" ({victim})" if addr == timeline.victim else ""))
     ax_lag.set_ylabel("lag (MiB)")
     ax_lag.set_xlabel("seconds")
     ax_lag.legend(loc="upper right", fontsize=8)

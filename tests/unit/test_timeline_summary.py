@@ -27,7 +27,8 @@ def _made_up() -> Timeline:
               (2.0, "stale", 3 << 16, 1001.05), (2.5, "resyncing", 1 << 16, 1001.05),
               (3.0, "in-sync", 0, None), (3.5, "in-sync", 0, None)]
     tl.samples = [Sample(t, "healthy" if st == "in-sync" else "degraded",
-                         {A: ReplicaSample("in-sync", 0, None), B: ReplicaSample(st, lag, since)})
+                         {A: ReplicaSample("in-sync", 0, None),
+                          B: ReplicaSample(st, lag, since, None, "gone" if since else None)})
                   for t, st, lag, since in states]
     tl.samples.insert(3, Sample(1.7, "unknown", error="timed out"))
     return tl
@@ -36,12 +37,13 @@ def _made_up() -> Timeline:
 def test_the_summary_reads_the_kill_the_lag_and_the_resync_off_the_recording() -> None:
     s = _made_up().summary()
     assert s["fsyncs"] == 40 and s["failed_fsyncs"] == 0
-    assert s["fsync_max_at_kill_s"] == pytest.approx(0.2) and s["fsync_max_at_kill_t"] == pytest.approx(1.0)
+    assert s["fault"] == "kill"
+    assert s["fsync_max_at_fault_s"] == pytest.approx(0.2) and s["fsync_max_at_fault_t"] == pytest.approx(1.0)
     assert s["left_in_sync_after_s"] == pytest.approx(0.05)  # the daemon's behind_since
     assert s["kill_reaped_after_s"] == pytest.approx(0.1)
-    assert s["fsyncs_while_dead"] == 10
+    assert s["fsyncs_while_down"] == 10
     assert s["victim_max_lag_bytes"] == 3 << 16
-    assert s["in_sync_after_restart_s"] == pytest.approx(1.0)
+    assert s["in_sync_after_recovery_s"] == pytest.approx(1.0)
     assert s["target_start_s"] == pytest.approx(0.2)
 
 
@@ -54,7 +56,7 @@ def test_without_matplotlib_the_tool_says_how_to_get_it(tmp_path: Path, monkeypa
     assert "scripts/install.sh --plot" in err and "no plot was drawn" in err
     assert not (tmp_path / "timeline.png").exists()
     assert (tmp_path / "timeline.json").exists() and (tmp_path / "samples.csv").exists()
-    assert f"{B} left in-sync 0.050 s after the kill" in out
+    assert f"{B} left in-sync 0.050 s after the kill -9: gone" in out
 
 
 def test_a_replica_never_back_in_sync_is_a_failed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -67,7 +69,8 @@ def test_a_replica_never_back_in_sync_is_a_failed_run(tmp_path: Path, monkeypatc
     assert "NOT in sync again" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args", [["--dead", "0"], ["--interval", "-1"], ["--plot", "x.jpg"]])
+@pytest.mark.parametrize("args", [["--dead", "0"], ["--interval", "-1"], ["--plot", "x.jpg"],
+                                  ["--fault", "reboot"]])
 def test_bad_options_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(timeline, "run", lambda out, **kw: pytest.fail("started"))
