@@ -189,6 +189,18 @@ class Timeline:
         }
 
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Timeline:
+        """The timeline :meth:`to_json` wrote (timeline.json), to draw its plot again."""
+        tl = cls(settings=doc["settings"], started_at=doc["started_at"], replicas=doc["replicas"],
+                 victim=doc["victim"])
+        tl.events = [Event(**e) for e in doc["events"]]
+        tl.samples = [Sample(s["t"], s["health"], {a: ReplicaSample(**r) for a, r in s["replicas"].items()},
+                             s.get("error")) for s in doc["samples"]]
+        tl.fsyncs = [Fsync(t, seconds, errno) for t, seconds, errno in doc["fsyncs"]]
+        return tl
+
+
 def _quantile(sorted_values: list[float], q: float) -> float | None:
     if not sorted_values:
         return None
@@ -502,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-size", default="512M")
     p.add_argument("--plot", metavar="FILE", help="the plot's file, .png or .svg "
                    "(default OUT_DIR/timeline.png)")
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: draw the plot again from OUT_DIR/timeline.json")
     args: Namespace = p.parse_args(argv)
     if min(args.steady, args.dead, args.after, args.interval, args.replica_timeout) <= 0:
         p.error("--steady, --dead, --after, --interval and --replica-timeout must be positive")
@@ -509,6 +523,20 @@ def main(argv: list[str] | None = None) -> int:
     if plot.suffix not in (".png", ".svg"):
         p.error(f"--plot {plot}: the file must end in .png or .svg")
     out = Path(args.out_dir)
+    if args.replot:
+        from rpmemfs.tools import timeline_plot
+
+        if not timeline_plot.available():
+            print(f"rpmemfs timeline: {PLOT_HINT}", file=sys.stderr)
+            return 1
+        try:
+            doc = json.loads((out / "timeline.json").read_text())
+            timeline_plot.draw(Timeline.from_json(doc), plot)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"rpmemfs timeline: cannot draw from {out / 'timeline.json'}: {e!r}", file=sys.stderr)
+            return 1
+        print(f"wrote {plot}")
+        return 0
 
     def _terminate(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt  # stopped as by Ctrl-C: everything started is stopped

@@ -21,6 +21,7 @@ EVENT_STYLES = {"kill": ("#d62728", "kill -9"), "restart": ("#1f77b4", "restarte
                 "in-sync": ("#2ca02c", "in sync")}
 TITLES = {"kill": "a target's kill -9 and restart", "hang": "a target's hang (SIGSTOP) and SIGCONT"}
 BIN_SECONDS = 0.25  # the worst fsync of each bin is drawn as a line over the points
+HELD_SECONDS = 1.0  # an fsync longer than this is drawn as a bar along its whole length
 
 
 def available() -> bool:
@@ -54,12 +55,24 @@ def draw(timeline: Timeline, path: Path) -> None:
     for f in timeline.fsyncs:
         b = int(f.t / BIN_SECONDS)
         worst[b] = max(worst.get(b, 0.0), f.seconds * 1e3)
-    bins = sorted(worst)
-    ax_lat.step([(b + 1) * BIN_SECONDS for b in bins], [worst[b] for b in bins], where="pre",
-                color="#444444", linewidth=0.8, label=f"slowest per {BIN_SECONDS:g} s")
+    # Every bin up to the last, empty ones NaN: a line across a gap would show fsyncs where
+    # there were none (the writer was waiting in one).
+    bins = range(max(worst, default=-1) + 1)
+    ax_lat.step([(b + 1) * BIN_SECONDS for b in bins], [worst.get(b, math.nan) for b in bins],
+                where="pre", color="#444444", linewidth=0.8, label=f"slowest per {BIN_SECONDS:g} s")
+    # An fsync held up much longer than a bin also as a bar from its call to its return: a
+    # point where it began says little about the seconds it took.
+    held = [f for f in timeline.fsyncs if f.seconds > HELD_SECONDS]
+    for f in held:
+        ax_lat.hlines(f.seconds * 1e3, f.t, f.t + f.seconds, color="#d62728", linewidth=2)
+        ax_lat.annotate(f"one fsync held {f.seconds:.2f} s", (f.t + f.seconds / 2, f.seconds * 1e3),
+                        xytext=(0, -12), textcoords="offset points", ha="center", fontsize=8,
+                        color="#d62728")
     ax_lat.set_yscale("log")
+    low, high = ax_lat.get_ylim()
+    ax_lat.set_ylim(low, high * 20)  # headroom for the legend and the events' labels
     ax_lat.set_ylabel("fsync latency (ms)")
-    ax_lat.legend(loc="upper right", fontsize=8, markerscale=4)
+    ax_lat.legend(loc="upper left", fontsize=8, markerscale=4)
 
     victim = "killed" if st.get("fault", "kill") == "kill" else "stopped"
     lanes = list(reversed(timeline.replicas))
@@ -97,9 +110,12 @@ def draw(timeline: Timeline, path: Path) -> None:
         color, label = EVENT_STYLES[e.what]
         for ax in (ax_lat, ax_state, ax_lag):
             ax.axvline(e.t, color=color, linestyle="--", linewidth=1)
-        # One below the other: a quick resync puts its marks close together.
+        # One below the other (a quick resync puts its marks close together), on the side of
+        # the line toward the middle of the plot.
+        right = e.t < end / 2
         ax_lat.annotate(f"{label} {e.t:.1f} s", (e.t, 1), xycoords=("data", "axes fraction"),
-                        xytext=(3, -11 - 11 * i), textcoords="offset points", fontsize=8, color=color,
+                        xytext=(3 if right else -3, -11 - 11 * i), textcoords="offset points",
+                        ha="left" if right else "right", fontsize=8, color=color,
                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 1, "alpha": 0.8})
     ax_lag.set_xlim(0, end)
     for ax in (ax_lat, ax_state, ax_lag):

@@ -4,6 +4,7 @@ it is there, and the options it refuses."""
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -79,12 +80,23 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path: Path, args: li
     assert exc.value.code == 2
 
 
-def test_the_plot_is_drawn_small(tmp_path: Path) -> None:
+def test_the_recording_reads_back_as_it_was_written(tmp_path: Path) -> None:
+    tl = _made_up()
+    timeline.write_outputs(tl, tmp_path)
+    again = Timeline.from_json(json.loads((tmp_path / "timeline.json").read_text()))
+    assert again.summary() == tl.summary()
+    assert again.samples == tl.samples and again.events == tl.events
+
+
+def test_the_plot_is_drawn_small_and_again_from_the_recording(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")  # an optional extra: the tool runs without it
     for name in ("t.png", "t.svg"):
         timeline_plot.draw(_made_up(), tmp_path / name)
         assert 0 < (tmp_path / name).stat().st_size < 150_000
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    timeline.write_outputs(_made_up(), tmp_path)
+    assert timeline.main([str(tmp_path), "--replot", "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_writer_records_survive_a_torn_last_record(tmp_path: Path) -> None:
