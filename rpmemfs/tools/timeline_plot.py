@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rpmemfs.tools.timeline import Timeline
+    from rpmemfs.tools.timeline_record import Timeline
 
 STATE_COLORS = {"in-sync": "#2ca02c", "connecting": "#7f7f7f", "stale": "#d62728",
                 "resyncing": "#ff7f0e", "unknown": "#ffffff"}

@@ -8,7 +8,8 @@ import csv
 import json
 from pathlib import Path
 
-from rpmemfs.tools.timeline import Sample, Timeline, run, write_outputs
+from rpmemfs.tools.timeline import run
+from rpmemfs.tools.timeline_record import Sample, Timeline, write_outputs
 
 REPLICA_TIMEOUT = 5.0
 

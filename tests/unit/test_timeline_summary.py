@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rpmemfs.tools import fsync_writer, timeline, timeline_plot
-from rpmemfs.tools.timeline import Event, Fsync, ReplicaSample, Sample, Timeline
+from rpmemfs.tools.timeline_record import Event, Fsync, ReplicaSample, Sample, Timeline, write_outputs
 
 A, B = "127.0.0.1:7421", "127.0.0.1:7422"
 
@@ -82,7 +82,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path: Path, args: li
 
 def test_the_recording_reads_back_as_it_was_written(tmp_path: Path) -> None:
     tl = _made_up()
-    timeline.write_outputs(tl, tmp_path)
+    write_outputs(tl, tmp_path)
     again = Timeline.from_json(json.loads((tmp_path / "timeline.json").read_text()))
     assert again.summary() == tl.summary()
     assert again.samples == tl.samples and again.events == tl.events
@@ -94,7 +94,7 @@ def test_the_plot_is_drawn_small_and_again_from_the_recording(tmp_path: Path) ->
         timeline_plot.draw(_made_up(), tmp_path / name)
         assert 0 < (tmp_path / name).stat().st_size < 150_000
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    timeline.write_outputs(_made_up(), tmp_path)
+    write_outputs(_made_up(), tmp_path)
     assert timeline.main([str(tmp_path), "--replot", "--plot", str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
