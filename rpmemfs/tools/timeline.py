@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resync-timeout", type=float, default=120.0,
                    help="give up waiting for the resync after this many seconds (default 120)")
     p.add_argument("--pool-size", default="512M")
+    p.add_argument("--work-dir", metavar="DIR", help="where the pools and the mount go, kept "
+                   "afterwards (default: a new directory under /dev/shm, removed at the end)")
     p.add_argument("--plot", metavar="FILE", help="the plot's file, .png or .svg "
                    "(default OUT_DIR/timeline.png)")
     p.add_argument("--replot", action="store_true",
@@ -356,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         timeline = run(out, steady=args.steady, dead=args.dead, after=args.after,
                        interval=args.interval, replica_timeout=args.replica_timeout,
-                       resync_timeout=args.resync_timeout, pool_size=args.pool_size, fault=args.fault)
+                       resync_timeout=args.resync_timeout, pool_size=args.pool_size, fault=args.fault,
+                       work_dir=Path(args.work_dir) if args.work_dir else None)
     except KeyboardInterrupt:
         print("rpmemfs timeline: interrupted; everything it started is stopped, nothing written",
               file=sys.stderr)

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+from rpmemfs.mountinfo import is_mounted
+from rpmemfs.tools.processes import child_env
 from rpmemfs.tools.timeline import run
 from rpmemfs.tools.timeline_record import Sample, Timeline, write_outputs
 
@@ -98,3 +104,41 @@ def test_a_hung_target_holds_fsync_up_to_replica_timeout_then_resyncs(work_dir: 
                          for s in after)
     other = tl.replicas[0]
     assert all(s.replicas[other].state == "in-sync" for s in tl.samples if s.replicas)
+
+
+def _ours(work: Path) -> list[str]:
+    """Command lines of live processes that name ``work`` (the targets, the mount, the writer)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(work) in cmdline and proc.name.isdigit():
+            found.append(cmdline)
+    return found
+
+
+def test_ctrl_c_stops_and_unmounts_everything_it_started(work_dir: Path) -> None:
+    work = work_dir / "work"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rpmemfs.tools.timeline", str(work_dir / "out"), "--work-dir", str(work),
+         "--steady", "30", "--pool-size", "64M"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env(), start_new_session=True,
+        # As at a terminal: a shell without job control starts background jobs ignoring SIGINT.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # the tool's first note: all is running
+        assert "writer and sampler started" in line, line + proc.stderr.read()
+        assert is_mounted(work / "mnt") and len(_ours(work)) >= 4
+        os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C reaches the terminal's whole process group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not is_mounted(work / "mnt")
+    assert _ours(work) == []
