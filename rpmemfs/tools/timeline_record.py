@@ -192,7 +192,7 @@ def report_lines(timeline: Timeline) -> list[str]:
     fault = FAULTS.get(str(s.get("fault")), "the fault")
     ends = FAULT_ENDS.get(str(s.get("fault")), "recovered")
     if "fsync_max_at_fault_s" in s:
-        lines.append(f"slowest fsync from the {fault} on: {ms('fsync_max_at_fault_s')}")
+        lines.append(f"slowest fsync around the {fault}: {ms('fsync_max_at_fault_s')}")
     if "left_in_sync_after_s" in s:
         lines.append(f"{timeline.victim} left in-sync {s['left_in_sync_after_s']:.3f} s after the "
                      f"{fault}: {s.get('left_in_sync_because')}")
