@@ -57,6 +57,7 @@ from rpmemfs.tools.timeline_record import (
     report_lines,
     write_outputs,
 )
+from rpmemfs.units import parse_size
 
 POOL_NAME = "timeline"
 MOUNT_TIMEOUT = 60.0
@@ -196,7 +197,9 @@ def run(out_dir: Path, *, steady: float = 5.0, dead: float = 5.0, after: float =
         pool_size: str = "512M", span: int = 256 << 20, work_dir: Path | None = None) -> Timeline:
     """Run the scenario (see the module's text) and return what was recorded; the daemons'
     logs are left in ``out_dir``. The pools live in ``work_dir`` (default: a new directory
-    under /dev/shm, removed at the end)."""
+    under /dev/shm, removed at the end). The writer's file wraps at ``span`` bytes, at most
+    half the pool (the rest holds the logs and metadata)."""
+    span = max(WRITE_SIZE, min(span, parse_size(pool_size) // 2 // WRITE_SIZE * WRITE_SIZE))
     out_dir.mkdir(parents=True, exist_ok=True)
     own_work = work_dir is None
     work = work_dir if work_dir is not None else Path(tempfile.mkdtemp(prefix="rpmemfs-timeline-",
@@ -332,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     args: Namespace = p.parse_args(argv)
     if min(args.steady, args.dead, args.after, args.interval, args.replica_timeout) <= 0:
         p.error("--steady, --dead, --after, --interval and --replica-timeout must be positive")
+    try:
+        parse_size(args.pool_size)
+    except ValueError as e:
+        p.error(f"--pool-size: {e}")
     plot = Path(args.plot) if args.plot else Path(args.out_dir) / "timeline.png"
     if plot.suffix not in (".png", ".svg"):
         p.error(f"--plot {plot}: the file must end in .png or .svg")

@@ -71,7 +71,7 @@ def test_a_replica_never_back_in_sync_is_a_failed_run(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.parametrize("args", [["--dead", "0"], ["--interval", "-1"], ["--plot", "x.jpg"],
-                                  ["--fault", "reboot"]])
+                                  ["--fault", "reboot"], ["--pool-size", "lots"]])
 def test_bad_options_are_refused_before_anything_starts(tmp_path: Path, args: list[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(timeline, "run", lambda out, **kw: pytest.fail("started"))
