@@ -96,6 +96,8 @@ class Filesystem:
         self.persisted: Ranges = []
         self.pending_bytes = 0  # log bytes the dirty inodes will need
         self.meta_full = False
+        # inode -> file blocks preallocated (rpmemfs.fs.extents) and not written since
+        self.unwritten: dict[int, set[int]] = {}
 
     # ---------------------------------------------------------------- opening
 
@@ -117,7 +119,10 @@ class Filesystem:
         t0 = time.perf_counter()
         found = scan(buf, hdr)
         index = Index()
-        entries = index.apply(r.payload for r in found.records)
+        try:
+            entries = index.apply(r.payload for r in found.records)
+        except ValueError as e:  # an entry this version does not know (a newer pool format)
+            raise PoolFormatError(f"log replay failed: {e}") from None
         if index.problems:
             raise PoolFormatError("log replay found inconsistencies: " + "; ".join(index.problems[:5]))
         if ROOT_INO not in index.inodes:
@@ -699,7 +704,17 @@ class Filesystem:
         node.mtime = node.ctime = time.time_ns()
         if node.dirty is None:
             self._touch(node)
+        if self.unwritten:
+            self._written(ino, off, end)
         return n
+
+    def _written(self, ino: int, off: int, end: int) -> None:
+        """Bytes [off, end) of the file were written: their blocks are data to SEEK_DATA."""
+        uw = self.unwritten.get(ino)
+        if uw:
+            uw.difference_update(range(off >> BLOCK_SHIFT, ((end - 1) >> BLOCK_SHIFT) + 1))
+            if not uw:
+                del self.unwritten[ino]
 
     def _write_slow(self, node: Inode, off: int, data: bytes | memoryview) -> None:
         n = len(data)

@@ -30,6 +30,7 @@ T_SYMLINK = 7
 T_XSET = 8
 T_XDEL = 9
 T_NEXTINO = 10
+T_UNMAP = 11    # file blocks fblk .. fblk+count-1 unmapped (a punched hole)
 
 # tag, mode, ino, uid, gid, nlink, rdev, size, atime, mtime, ctime
 INODE = struct.Struct("<BxxxIQIIIIQqqq")
@@ -51,6 +52,8 @@ XSET = struct.Struct("<BxHIQ")
 XDEL = struct.Struct("<BxHxxxxQ")
 # tag, next_ino
 NEXTINO = struct.Struct("<BxxxxxxxQ")
+# tag, ino, fblk, count
+UNMAP = struct.Struct("<BxxxxxxxQQQ")
 
 
 def _pad(n: int) -> int:
@@ -103,6 +106,10 @@ def next_ino(value: int) -> bytes:
     return NEXTINO.pack(T_NEXTINO, value)
 
 
+def unmap(ino: int, fblk: int, count: int) -> bytes:
+    return UNMAP.pack(T_UNMAP, ino, fblk, count)
+
+
 def frame(seq: int, payload: bytes) -> bytes:
     """A whole record, padded to 8 bytes, ready to copy into a log area."""
     head = _LEN_SEQ.pack(len(payload), seq)
@@ -153,7 +160,7 @@ def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 <<
 
 # Entries of a fixed size, and entries followed by a tail whose length their fields give.
 _FIXED: dict[int, struct.Struct] = {
-    T_INODE: INODE, T_MAP: MAP, T_TRUNC: TRUNC, T_FREE: FREE, T_NEXTINO: NEXTINO,
+    T_INODE: INODE, T_MAP: MAP, T_TRUNC: TRUNC, T_FREE: FREE, T_NEXTINO: NEXTINO, T_UNMAP: UNMAP,
 }
 _TAILED: dict[int, tuple[struct.Struct, Callable[[tuple[int, ...]], int]]] = {
     T_LINK: (LINK, lambda f: f[1]),

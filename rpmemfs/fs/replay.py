@@ -66,6 +66,14 @@ class Index:
                     if node is not None:
                         for b in [b for b in node.blocks if b >= fb]:
                             del node.blocks[b]
+                elif tag == R.T_UNMAP:
+                    _, ino, fb, n = f
+                    node = inodes.get(ino)
+                    if node is not None:
+                        gone = (range(fb, fb + n) if n <= len(node.blocks)
+                                else [b for b in node.blocks if fb <= b < fb + n])
+                        for b in gone:
+                            node.blocks.pop(b, None)
                 elif tag == R.T_FREE:
                     inodes.pop(f[1], None)
                 elif tag == R.T_SYMLINK:
