@@ -2,7 +2,8 @@
 
 Errno choices worth knowing: a full pool gives ENOSPC (data blocks or the metadata log);
 names over 255 bytes ENAMETOOLONG; a durability point that cannot complete gives EIO, as a
-disk would.
+disk would. fallocate, SEEK_DATA/SEEK_HOLE and copy_file_range: rpmemfs.fs.extents (and
+README's "POSIX semantics"); fallocate modes it does not do give EOPNOTSUPP, never ENOSYS.
 """
 
 from __future__ import annotations
