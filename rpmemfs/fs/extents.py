@@ -222,13 +222,21 @@ class Extents:
         if off < 0 or off >= size:
             raise FsError(errno.ENXIO)
         fb = off >> BLOCK_SHIFT
+        # Walking block by block costs the length of the extent skipped, so a scan of the
+        # whole file by extents costs its length once; a hole longer than the file has blocks
+        # is skipped by a pass over the blocks instead.
         if whence == SEEK_DATA:
             limit = (size + BLOCK - 1) >> BLOCK_SHIFT
+            stop = min(limit, fb + len(node.blocks) + 1)
+            while fb < stop:
+                if self._is_data(node, fb):
+                    return max(off, fb << BLOCK_SHIFT)
+                fb += 1
             found = min((b for b in node.blocks if fb <= b < limit and self._is_data(node, b)),
                         default=None)
             if found is None:
                 raise FsError(errno.ENXIO)
-            return max(off, found << BLOCK_SHIFT)
+            return found << BLOCK_SHIFT
         while self._is_data(node, fb):
             fb += 1
         return min(size, max(off, fb << BLOCK_SHIFT))

@@ -565,3 +565,13 @@ def test_random_ranges_match_a_model() -> None:
     fs2 = remount(fs)
     assert content(fs2, ino) == bytes(model)
     assert check(fs2.buf)["clean"]
+
+
+def test_seek_data_across_a_hole_longer_than_the_file_has_blocks(fs: Filesystem) -> None:
+    ino = mkfile(fs, b"f", b"a" * 2 * BLOCK)
+    fs.write(ino, 1_000_000 * BLOCK, b"z")
+    fs.write(ino, 3_000_000 * BLOCK, b"y")
+    assert ext(fs).seek(ino, 2 * BLOCK, SEEK_DATA) == 1_000_000 * BLOCK
+    assert ext(fs).seek(ino, 1_000_000 * BLOCK + 1, SEEK_HOLE) == 1_000_001 * BLOCK
+    assert ext(fs).seek(ino, 1_000_001 * BLOCK, SEEK_DATA) == 3_000_000 * BLOCK
+    assert ext(fs).seek(ino, 5, SEEK_HOLE) == 2 * BLOCK
