@@ -11,13 +11,24 @@ import os
 import random
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import MakePool, MountPool
-from helpers import BLOCK, MiB, Mount, assert_check_clean, cli, pool_content, replica_file, status_json
+from helpers import (
+    BLOCK,
+    MiB,
+    Mount,
+    assert_check_clean,
+    cli,
+    pool_content,
+    replica_file,
+    status_json,
+    wait_until,
+)
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -297,6 +308,59 @@ def test_kill9_after_fsync_of_punched_file(mnt: Mount) -> None:
     assert_check_clean(mnt.pool)
     mnt.start()
     assert _state_of(p) == want
+
+
+def test_kill9_in_the_middle_of_range_operations(mnt: Mount) -> None:
+    """The daemon killed while another file is punched, zeroed, copied into and fsynced: the
+    pool is clean, the fsynced file exact, the busy one readable."""
+    stable = mnt.path / "stable"
+    want = _punched_file(stable)
+    busy = mnt.path / "busy"
+    done = [0]
+    stop = threading.Event()
+
+    def churn() -> None:
+        rng = random.Random(9)
+        fd = os.open(busy, os.O_CREAT | os.O_RDWR, 0o644)
+        src = os.open(stable, os.O_RDONLY)
+        try:
+            while not stop.is_set():
+                op = rng.randrange(5)
+                off = rng.randrange(256) * BLOCK + rng.randrange(BLOCK)
+                n = rng.randrange(1, 16 * BLOCK)
+                if op == 0:
+                    os.pwrite(fd, rng.randbytes(n), off)
+                elif op == 1:
+                    fallocate(fd, PUNCH_HOLE | KEEP_SIZE, off, n)
+                elif op == 2:
+                    fallocate(fd, ZERO_RANGE | rng.choice((0, KEEP_SIZE)), off, n)
+                elif op == 3:
+                    os.copy_file_range(src, fd, n, rng.randrange(64 * BLOCK), off)
+                else:
+                    os.fsync(fd)
+                done[0] += 1
+        except OSError:
+            pass  # the daemon is gone
+        finally:
+            for f in (fd, src):
+                try:
+                    os.close(f)
+                except OSError:
+                    pass  # ENOTCONN from the dead mount's flush; the descriptor is closed
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        assert wait_until(lambda: done[0] >= 300, timeout=120), f"only {done[0]} operations ran"
+        mnt.kill9()
+    finally:
+        stop.set()
+        t.join()
+    assert_check_clean(mnt.pool)
+    mnt.start()
+    assert _state_of(stable) == want
+    size = os.stat(busy).st_size
+    assert len(busy.read_bytes()) == size <= 272 * BLOCK
 
 
 def _mkfs_replicated(pool: Path, targets: list[TargetProcess]) -> None:
