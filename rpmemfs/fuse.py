@@ -2,8 +2,7 @@
 
 Errno choices worth knowing: a full pool gives ENOSPC (data blocks or the metadata log);
 names over 255 bytes ENAMETOOLONG; a durability point that cannot complete gives EIO, as a
-disk would. fallocate, SEEK_DATA/SEEK_HOLE and copy_file_range: rpmemfs.fs.extents (and
-README's "POSIX semantics"); fallocate modes it does not do give EOPNOTSUPP, never ENOSYS.
+disk would.
 """
 
 from __future__ import annotations
@@ -215,6 +214,8 @@ class Operations(pyfuse3.Operations):
             await self.durable()
             return call()
 
+    # fallocate, SEEK_DATA/SEEK_HOLE and copy_file_range, errnos included: rpmemfs.fs.extents
+    # and README's "POSIX semantics".
     @functools.cached_property
     def extents(self) -> Extents:
         return Extents(self.fs)

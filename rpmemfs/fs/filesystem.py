@@ -88,6 +88,8 @@ class Filesystem:
                 self.alloc.mark_used(pb, n)
         self.dirty_inodes: dict[int, Inode] = {}
         self.dirty_data: Ranges = []
+        # inode -> file blocks preallocated (rpmemfs.fs.extents) and not written since
+        self.unwritten: dict[int, set[int]] = {}
         # Ranges written with non-temporal stores (``copy_nt``, given on pmem): durable
         # locally already, listed for replicas, which still have to get them.
         self.nt_data: Ranges = []
@@ -96,8 +98,6 @@ class Filesystem:
         self.persisted: Ranges = []
         self.pending_bytes = 0  # log bytes the dirty inodes will need
         self.meta_full = False
-        # inode -> file blocks preallocated (rpmemfs.fs.extents) and not written since
-        self.unwritten: dict[int, set[int]] = {}
 
     # ---------------------------------------------------------------- opening
 
