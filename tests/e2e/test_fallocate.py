@@ -363,8 +363,8 @@ def test_kill9_in_the_middle_of_range_operations(mnt: Mount) -> None:
     assert len(busy.read_bytes()) == size <= 272 * BLOCK
 
 
-def _mkfs_replicated(pool: Path, targets: list[TargetProcess]) -> None:
-    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", "64M"]
+def _mkfs_replicated(pool: Path, targets: list[TargetProcess], size: str = "64M") -> None:
+    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", size]
     for t in targets:
         args += ["--replica", f"{t.address}/app"]
     res = cli(*args)
@@ -401,3 +401,32 @@ def test_replicas_get_punches_and_copies(work_dir: Path, targets: list[TargetPro
         assert _state_of(alone.path / "punched") == want
         assert _state_of(alone.path / "copy") == want
         alone.unmount()
+
+
+def test_replicas_get_the_zeros_of_reused_blocks(work_dir: Path, targets: list[TargetProcess],
+                                                 mount_pool: MountPool) -> None:
+    """Blocks fallocate takes may hold a deleted file's bytes: the zeros it writes over them
+    reach the replicas too (their pools equal the local one byte for byte)."""
+    pool = work_dir / "app.pool"
+    _mkfs_replicated(pool, targets, "8M")
+    m = mount_pool(pool)
+    free = os.statvfs(m.path).f_bfree
+    old = m.path / "old"
+    with open(old, "wb") as f:
+        f.write(random.Random(5).randbytes((free - 8) * BLOCK))
+        os.fsync(f.fileno())
+    old.unlink()
+    new = m.path / "new"
+    fd = os.open(new, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, (free - 4) * BLOCK)  # needs the deleted file's blocks
+        assert fallocate(fd, ZERO_RANGE | KEEP_SIZE, (free - 4) * BLOCK, 4 * BLOCK) == 0
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.statvfs(m.path).f_bfree == 0
+    assert new.read_bytes() == bytes((free - 4) * BLOCK)
+    m.unmount()
+    local = pool_content(pool)
+    for t in targets:
+        assert pool_content(replica_file(t)) == local, f"replica on {t.address} differs"
