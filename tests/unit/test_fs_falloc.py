@@ -12,7 +12,7 @@ import stat
 from collections.abc import Callable
 
 import pytest
-from mempool import durable, new_fs, reopen
+from mempool import MemPersister, durable, new_fs, reopen
 from test_fs_crash import Workload, crash_everywhere
 
 from rpmemfs.fs import records as R
@@ -444,7 +444,8 @@ class RangeWorkload(Workload):
     def __init__(self, seed: int) -> None:
         super().__init__(seed)
         for i in range(3):
-            self.fs.create(ROOT_INO, b"f%d" % i, REG, 0, 0)
+            ino = self.fs.create(ROOT_INO, b"f%d" % i, REG, 0, 0).ino
+            self.fs.write(ino, 0, os.urandom(16 * BLOCK))
         self.durable()
         # The media starts as the pool is now (all of it durable).
         self.p.formatted, self.p.calls = bytes(self.fs.buf), []
@@ -480,6 +481,8 @@ class RangeWorkload(Workload):
         except FsError:
             pass
         self.record(op == self.durable)
+        if rng.random() < 0.05:
+            self.buffers[len(self.states) - 1] = bytearray(fs.buf)
 
     def check_crash(self, media: bytearray, lo: int, hi: int, what: str) -> None:
         super().check_crash(media, lo, hi, what)
@@ -497,6 +500,22 @@ def test_crash_at_any_persist_call_with_range_operations(seed: int) -> None:
     w.run(120)
     assert sum(w.synced) > 5
     assert crash_everywhere(w, seed) > 5
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_crash_with_evicted_cache_lines_and_range_operations(seed: int) -> None:
+    """Lines stored but not persisted (zeroed, punched edges, copies) may reach the media
+    anyway: the state is still one the program went through."""
+    w = RangeWorkload(200 + seed)
+    w.run(120)
+    w.buffers[len(w.states) - 1] = bytearray(w.fs.buf)
+    rng = random.Random(seed)
+    for at, buf in sorted(w.buffers.items()):
+        calls = sum(1 for c in w.p.calls if c.tag <= at)
+        crash = MemPersister(buf, formatted=w.p.formatted, calls=w.p.calls[:calls])
+        for share in (0.1, 0.5, 1.0):
+            w.check_crash(crash.media(evict=share, rng=rng), w.last_synced(at + 1), at,
+                          f"seed {seed}, crash after operation {at}, {share:.0%} of lines evicted")
 
 
 def test_crash_after_punch_and_reuse_never_shows_another_files_data() -> None:
