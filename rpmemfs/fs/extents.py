@@ -6,8 +6,9 @@ for the record that frees them to be durable, and every check that can fail runs
 anything changes, so an error leaves the file as it was.
 
 Preallocated blocks (fallocate, ZERO_RANGE) read as zeros and count in st_blocks; until
-written they are holes to SEEK_DATA/SEEK_HOLE, as ext4's unwritten extents are. That state is
-kept in memory only: after a remount such blocks report as data (they still read as zeros).
+written they are holes to SEEK_DATA/SEEK_HOLE, as ext4's unwritten extents are. Their MAP
+entries say so (MAP_PREALLOC); writes log nothing about it, and the mount takes back only
+those that still read as zeros (Filesystem._restore_unwritten).
 """
 
 from __future__ import annotations
@@ -106,9 +107,16 @@ class Extents:
                 if e.pending:
                     raise NeedSync from None
                 raise FsError(errno.ENOSPC) from None
-        gaps = sum(1 for i in range(1, len(missing)) if missing[i] != missing[i - 1] + 1)
+        # (file block, pool block) of every block that reads as zeros when this is done and
+        # was not written: the new ones, and with ZERO_RANGE the whole blocks mapped already.
+        pairs = list(zip(missing, (pb + k for pb, n in runs for k in range(n)), strict=True))
+        if zero:
+            whole = range((off + BLOCK - 1) >> BLOCK_SHIFT, end >> BLOCK_SHIFT)
+            pairs += [(fb, blocks[fb]) for fb in whole if fb in blocks]
+            pairs.sort()
+        entries = _runs(pairs)
         try:
-            fs._room((len(runs) + gaps) * R.MAP.size + R.INODE.size)
+            fs._room(len(entries) * R.MAP.size + R.INODE.size)
         except FsError:
             fs.alloc.release(runs)
             raise
@@ -116,18 +124,15 @@ class Extents:
         now = time.time_ns()
         if zero:
             self._zero_mapped(node, off, end)
-        if missing:
-            for pb, n in runs:
-                self._zero_pool(pb << BLOCK_SHIFT, n << BLOCK_SHIFT)
-            fs._map_new(node, missing, runs, 0, 0)  # offsets 0, 0: it zeroes nothing itself
-        uw = self.unwritten.setdefault(node.ino, set())
-        uw.update(missing)
-        if zero:
-            # Blocks the range covers whole read as zeros now: unwritten, as on ext4.
-            whole_first = (off + BLOCK - 1) >> BLOCK_SHIFT
-            uw.update(range(whole_first, end >> BLOCK_SHIFT))
-        if not uw:
-            del self.unwritten[node.ino]
+        for pb, n in runs:
+            self._zero_pool(pb << BLOCK_SHIFT, n << BLOCK_SHIFT)
+        # The zeros first, then the map: the entries reach the log after them (durability).
+        for fb, pb, n in entries:
+            for k in range(n):
+                blocks[fb + k] = pb + k
+            fs._map_change(node, R.map_run(node.ino, fb, pb, n, R.MAP_PREALLOC))
+        if pairs:
+            self.unwritten.setdefault(node.ino, set()).update(fb for fb, _pb in pairs)
         if not keep_size and end > node.size:
             fs._zero_tail(node, node.size, end)
             node.size = end
@@ -311,3 +316,14 @@ class Extents:
         fs._touch(dst)
         self.copied += done
         return done
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(file block, pool block, count) runs of sorted (file block, pool block) pairs."""
+    out: list[tuple[int, int, int]] = []
+    for fb, pb in pairs:
+        if out and out[-1][0] + out[-1][2] == fb and out[-1][1] + out[-1][2] == pb:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((fb, pb, 1))
+    return out

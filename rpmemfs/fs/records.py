@@ -38,8 +38,9 @@ INODE = struct.Struct("<BxxxIQIIIIQqqq")
 LINK = struct.Struct("<BxHxxxxQQ")
 # tag, namelen, parent
 UNLINK = struct.Struct("<BxHxxxxQ")
-# tag, count, ino, fblk, pblk
-MAP = struct.Struct("<BxxxIQQQ")
+# tag, flags, count, ino, fblk, pblk
+MAP = struct.Struct("<BBxxIQQQ")
+MAP_PREALLOC = 1  # flags: preallocated by fallocate, zero until written (a hint, see replay)
 # tag, ino, fblk
 TRUNC = struct.Struct("<BxxxxxxxQQ")
 # tag, ino
@@ -78,8 +79,8 @@ def unlink(parent: int, name: bytes) -> bytes:
     return UNLINK.pack(T_UNLINK, len(name), parent) + _tail(name)
 
 
-def map_run(ino: int, fblk: int, pblk: int, count: int) -> bytes:
-    return MAP.pack(T_MAP, count, ino, fblk, pblk)
+def map_run(ino: int, fblk: int, pblk: int, count: int, flags: int = 0) -> bytes:
+    return MAP.pack(T_MAP, flags, count, ino, fblk, pblk)
 
 
 def trunc(ino: int, fblk: int) -> bytes:

@@ -356,6 +356,61 @@ def test_preallocated_blocks_are_holes_until_written(fs: Filesystem) -> None:
     assert seek_map(fs, ino) == [("hole", 0, 4 * BLOCK)]
 
 
+def test_preallocated_blocks_stay_holes_after_a_remount(fs: Filesystem) -> None:
+    ino = mkfile(fs, b"f", os.urandom(4 * BLOCK))
+    ext(fs).fallocate(ino, 0, 0, 8 * BLOCK)  # blocks 4..7 new
+    ext(fs).fallocate(ino, ZERO_RANGE, BLOCK, BLOCK)  # block 1 zeroed whole
+    fs.write(ino, 6 * BLOCK, b"w")  # block 6 written
+    want = [("data", 0, BLOCK), ("hole", BLOCK, 2 * BLOCK), ("data", 2 * BLOCK, 4 * BLOCK),
+            ("hole", 4 * BLOCK, 6 * BLOCK), ("data", 6 * BLOCK, 7 * BLOCK),
+            ("hole", 7 * BLOCK, 8 * BLOCK)]
+    assert seek_map(fs, ino) == want
+    fs2 = remount(fs)
+    assert seek_map(fs2, ino) == want
+    # A checkpoint's snapshot carries them too.
+    fs2.checkpoint()
+    fs3 = remount(fs2)
+    assert seek_map(fs3, ino) == want
+    assert check(fs3.buf)["clean"]
+
+
+def test_a_preallocated_block_written_before_a_crash_is_data() -> None:
+    """Writes log nothing about preallocation: the mount reads the blocks logged as
+    preallocated and takes as holes only those still zero, so a write that reached the
+    media before its record did is never hidden behind a hole."""
+    fs, p = new_fs()
+    ino = mkfile(fs, b"f")
+    ext(fs).fallocate(ino, 0, 0, 4 * BLOCK)
+    durable(fs)
+    synced = len(p.calls)
+    fs.write(ino, 2 * BLOCK, b"late")  # overwrite in place: the pool has it at once
+    # Crash with every cache line written back but no durability point since.
+    crashed = reopen(p.media(synced, evict=1.0))[0]
+    assert crashed.read(ino, 2 * BLOCK, 4) == b"late"
+    assert seek_map(crashed, ino) == [("hole", 0, 2 * BLOCK), ("data", 2 * BLOCK, 3 * BLOCK),
+                                      ("hole", 3 * BLOCK, 4 * BLOCK)]
+
+
+def test_too_many_preallocated_blocks_to_read_at_mount_are_data(
+        fs: Filesystem, monkeypatch: pytest.MonkeyPatch) -> None:
+    import rpmemfs.fs.filesystem as F
+    ino = mkfile(fs, b"f")
+    ext(fs).fallocate(ino, 0, 0, 4 * BLOCK)
+    durable(fs)
+    monkeypatch.setattr(F, "PREALLOC_CHECK", 3)
+    fs2 = reopen(bytearray(fs.buf))[0]
+    assert seek_map(fs2, ino) == [("data", 0, 4 * BLOCK)]
+    assert content(fs2, ino) == bytes(4 * BLOCK)
+
+
+def test_older_map_entries_have_no_flags() -> None:
+    """A MAP entry as older code wrote it (flags byte 0) maps data, as it did."""
+    fields = next(R.entries(memoryview(R.map_run(7, 1, 2, 3))))[1]
+    assert fields == (R.T_MAP, 0, 3, 7, 1, 2)
+    flagged = next(R.entries(memoryview(R.map_run(7, 1, 2, 3, R.MAP_PREALLOC))))[1]
+    assert flagged[1] == R.MAP_PREALLOC
+
+
 # ------------------------------------------------------------------ copy_file_range
 
 
@@ -486,8 +541,15 @@ class RangeWorkload(Workload):
 
     def check_crash(self, media: bytearray, lo: int, hi: int, what: str) -> None:
         super().check_crash(media, lo, hi, what)
-        got = maps(reopen(media)[0])
+        crashed = reopen(media)[0]
+        got = maps(crashed)
         assert any(self.maps[i] == got for i in range(lo, hi + 1)), f"{what}: block maps"
+        # Never a hole where bytes other than zeros read back.
+        for ino, node in crashed.inodes.items():
+            if node.is_reg:
+                for kind, a, z in seek_map(crashed, ino):
+                    if kind == "hole":
+                        assert crashed.read(ino, a, z - a) == bytes(z - a), f"{what}: hole at {a}"
 
 
 def maps(fs: Filesystem) -> dict[int, frozenset[int]]:
