@@ -121,7 +121,6 @@ class Extents:
             fs.alloc.release(runs)
             raise
         # Nothing can fail from here on.
-        now = time.time_ns()
         if zero:
             self._zero_mapped(node, off, end)
         for pb, n in runs:
@@ -133,13 +132,11 @@ class Extents:
             fs._map_change(node, R.map_run(node.ino, fb, pb, n, R.MAP_PREALLOC))
         if pairs:
             self.unwritten.setdefault(node.ino, set()).update(fb for fb, _pb in pairs)
-        if not keep_size and end > node.size:
+        grows = not keep_size and end > node.size
+        if grows:
             fs._zero_tail(node, node.size, end)
             node.size = end
-            node.mtime = now
-        if zero:
-            node.mtime = now
-        node.ctime = now
+        _tick(node, mtime=grows or zero)  # ctime always, mtime when contents or size change
         fs._touch(node)
 
     def _punch(self, node: Inode, off: int, end: int) -> None:
@@ -174,7 +171,7 @@ class Extents:
                 uw = self.unwritten.get(node.ino)
                 if uw:
                     uw.difference_update(gone)
-        node.mtime = node.ctime = time.time_ns()
+        _tick(node, mtime=True)
         fs._touch(node)
 
     def _zero_mapped(self, node: Inode, off: int, end: int) -> None:
@@ -312,10 +309,21 @@ class Extents:
             done += k
         if off_out + done > dst.size:
             fs.truncate(dst, off_out + done)  # the copy ended in a source hole
-        dst.mtime = dst.ctime = time.time_ns()
+        _tick(dst, mtime=True)
         fs._touch(dst)
         self.copied += done
         return done
+
+
+def _tick(node: Inode, mtime: bool) -> None:
+    """ctime (and mtime when asked) to now, never back nor unchanged: the wall clock may be
+    set back (the rule the ACL branch's Inode.tick has; this goes once both are merged)."""
+    now = time.time_ns()
+    if now <= node.ctime:
+        now = node.ctime + 1
+    node.ctime = now
+    if mtime:
+        node.mtime = now
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -656,3 +656,24 @@ def test_seek_data_across_a_hole_longer_than_the_file_has_blocks(fs: Filesystem)
     assert ext(fs).seek(ino, 1_000_000 * BLOCK + 1, SEEK_HOLE) == 1_000_001 * BLOCK
     assert ext(fs).seek(ino, 1_000_001 * BLOCK, SEEK_DATA) == 3_000_000 * BLOCK
     assert ext(fs).seek(ino, 5, SEEK_HOLE) == 2 * BLOCK
+
+
+def test_times_of_range_operations(fs: Filesystem) -> None:
+    """As ext4: allocating changes ctime, and mtime only when the size grows; punching,
+    zeroing and copying into a file change both. Never backwards, even with a clock set back."""
+    ino = mkfile(fs, b"f", os.urandom(4 * BLOCK))
+    node = fs.node(ino)
+    node.mtime = node.ctime = 1 << 62  # a clock far ahead, set back since
+    ext(fs).fallocate(ino, KEEP_SIZE, 0, 8 * BLOCK)
+    assert node.mtime == 1 << 62 and node.ctime > 1 << 62
+    for call in (lambda: ext(fs).fallocate(ino, 0, 0, 9 * BLOCK),
+                 lambda: ext(fs).fallocate(ino, PUNCH_HOLE | KEEP_SIZE, 0, BLOCK),
+                 lambda: ext(fs).fallocate(ino, ZERO_RANGE | KEEP_SIZE, 0, BLOCK)):
+        before = node.ctime
+        call()
+        assert node.ctime > before and node.mtime == node.ctime
+    # A copy writes (write's own times are issue 16's item 4), then stamps the file after it.
+    dst = fs.node(mkfile(fs, b"g"))
+    dst.mtime = dst.ctime = 5
+    ext(fs).copy(ino, 0, dst.ino, 0, 10, 0)
+    assert dst.ctime > 5 and dst.mtime == dst.ctime
