@@ -112,6 +112,7 @@ def run_steps(directory: Path) -> list[tuple[str, object, Any]]:
         ("-c (collapse)", lambda: fallocate_cmd(p, "-c", "-o", 0, "-l", BLOCK)),
         ("-i (insert)", lambda: fallocate_cmd(p, "-i", "-o", 0, "-l", BLOCK)),
         ("unshare", raw(UNSHARE_RANGE, 0, BLOCK)),
+        ("write-zeroes (Linux 6.17)", raw(0x80, 0, BLOCK)),
         ("length 0", raw(0, 0, 0)),
         ("offset < 0", raw(0, -1, BLOCK)),
     ]
