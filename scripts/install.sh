@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 
 PKGS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc patch)
 # The tests also run a real Prometheus server and promtool against the metrics and alert rules,
-# and systemd-analyze against the units.
-for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd); done
+# systemd-analyze against the units, and setfacl/getfacl on the mount and on a tmpfs beside it.
+for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd acl); done
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

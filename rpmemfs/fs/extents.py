@@ -14,7 +14,6 @@ those that still read as zeros (Filesystem._restore_unwritten).
 from __future__ import annotations
 
 import errno
-import time
 
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import OutOfSpace
@@ -136,7 +135,7 @@ class Extents:
         if grows:
             fs._zero_tail(node, node.size, end)
             node.size = end
-        _tick(node, mtime=grows or zero)  # ctime always, mtime when contents or size change
+        node.tick(mtime=grows or zero)  # ctime always, mtime when contents or size change
         fs._touch(node)
 
     def _punch(self, node: Inode, off: int, end: int) -> None:
@@ -171,7 +170,7 @@ class Extents:
                 uw = self.unwritten.get(node.ino)
                 if uw:
                     uw.difference_update(gone)
-        _tick(node, mtime=True)
+        node.tick(mtime=True)
         fs._touch(node)
 
     def _zero_mapped(self, node: Inode, off: int, end: int) -> None:
@@ -309,21 +308,10 @@ class Extents:
             done += k
         if off_out + done > dst.size:
             fs.truncate(dst, off_out + done)  # the copy ended in a source hole
-        _tick(dst, mtime=True)
+        dst.tick(mtime=True)
         fs._touch(dst)
         self.copied += done
         return done
-
-
-def _tick(node: Inode, mtime: bool) -> None:
-    """ctime (and mtime when asked) to now, never back nor unchanged: the wall clock may be
-    set back (the rule the ACL branch's Inode.tick has; this goes once both are merged)."""
-    now = time.time_ns()
-    if now <= node.ctime:
-        now = node.ctime + 1
-    node.ctime = now
-    if mtime:
-        node.mtime = now
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
