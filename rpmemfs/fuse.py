@@ -28,6 +28,7 @@ import pyfuse3
 from rpmemfs.callers import ProcCaller
 from rpmemfs.durability import Durability, DurabilityError
 from rpmemfs.fs.errors import FsError
+from rpmemfs.fs.extents import Extents
 from rpmemfs.fs.filesystem import Filesystem, NeedSync
 from rpmemfs.fs.inode import Inode
 from rpmemfs.poller import RequestPoller
@@ -243,6 +244,30 @@ class Operations(pyfuse3.Operations):
         except NeedSync:
             await self.durable()
             return call()
+
+    # fallocate, SEEK_DATA/SEEK_HOLE and copy_file_range, errnos included: rpmemfs.fs.extents
+    # and README's "POSIX semantics".
+    @functools.cached_property
+    def extents(self) -> Extents:
+        return Extents(self.fs)
+
+    @errors
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        # Never ENOSYS: the kernel would stop asking, for every mode (rpmemfs.fs.extents).
+        await self._retry(lambda: self.extents.fallocate(fh, mode, offset, length))
+
+    @errors
+    async def lseek(self, fh: int, offset: int, whence: int) -> int:
+        return self.extents.seek(fh, offset, whence)
+
+    @errors
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> int:
+        try:
+            return self.extents.copy(fh_in, off_in, fh_out, off_out, length, flags)
+        except NeedSync:
+            await self.durable()
+            return self.extents.copy(fh_in, off_in, fh_out, off_out, length, flags)
 
     async def flush(self, fh: int) -> None:
         # close(2) is not a durability point in POSIX; fsync is.

@@ -34,10 +34,11 @@ for arg in "$@"; do
     --system) system=1 ;;
   esac
 done
-# pyfuse3 with the operations it lacks (fallocate, lseek, copy_file_range, DONT_MASK):
-# patches/pyfuse3-3.5.0.patch on its sdist, rebuilt whenever the patch changes.
-scripts/build-pyfuse3.sh .venv/bin/python
 .venv/bin/python -m pip install -q -e ".${extras}"
+# pyfuse3 with the operations it lacks (fallocate, lseek, copy_file_range, DONT_MASK):
+# patches/pyfuse3-3.5.0.patch on its sdist, rebuilt whenever the patch changes. After the
+# package's dependencies, which the patched build (--no-deps) and its import check need.
+scripts/build-pyfuse3.sh .venv/bin/python
 if [ "$system" = 1 ]; then
   # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work; the
   # umount(8) helper, so `umount DIR` returns once the daemon has closed the pool. umount(8)

@@ -49,6 +49,9 @@ SNAPSHOT_RECORD = 64 << 10
 # the cache, so the durability point has nothing to flush for them.
 NT_MIN = 64 << 10
 INODE_COST = 160  # rough snapshot bytes per small file, for statfs' inode numbers
+# At mount, blocks logged as preallocated are read to tell which are still zeros, up to
+# this many (64 MiB); past it they all count as written.
+PREALLOC_CHECK = 16384
 
 
 class NeedSync(Exception):
@@ -90,6 +93,8 @@ class Filesystem:
                 self.alloc.mark_used(pb, n)
         self.dirty_inodes: dict[int, Inode] = {}
         self.dirty_data: Ranges = []
+        # inode -> file blocks preallocated (rpmemfs.fs.extents) and not written since
+        self.unwritten: dict[int, set[int]] = {}
         # Ranges written with non-temporal stores (``copy_nt``, given on pmem): durable
         # locally already, listed for replicas, which still have to get them.
         self.nt_data: Ranges = []
@@ -122,7 +127,10 @@ class Filesystem:
         t0 = time.perf_counter()
         found = scan(buf, hdr)
         index = Index()
-        entries = index.apply(r.payload for r in found.records)
+        try:
+            entries = index.apply(r.payload for r in found.records)
+        except ValueError as e:  # an entry this version does not know (a newer pool format)
+            raise PoolFormatError(f"log replay failed: {e}") from None
         if index.problems:
             raise PoolFormatError("log replay found inconsistencies: " + "; ".join(index.problems[:5]))
         if ROOT_INO not in index.inodes:
@@ -134,6 +142,7 @@ class Filesystem:
             progress(f"replayed {len(found.records)} records, {len(index.inodes)} inodes in {dt:.2f} s")
         fs = cls(buf, hdr, found, index, persister, copy_nt)
         fs.replay_stats = (len(found.records), entries, dt)
+        fs._restore_unwritten(index.prealloc)
         orphans = index.orphans()
         if orphans:
             freed = [e for ino in orphans for e in fs._free_if_unused(fs.inodes[ino])]
@@ -293,7 +302,7 @@ class Filesystem:
         # Parents before children so LINK entries find their directory on replay.
         order = sorted(self.inodes)
         for ino in order:
-            for e in self.inodes[ino].snapshot_entries():
+            for e in self.inodes[ino].snapshot_entries() + self._prealloc_entries(ino):
                 parts.append(e)
                 size += len(e)
             if size >= SNAPSHOT_RECORD:
@@ -815,7 +824,58 @@ class Filesystem:
         node.mtime = node.ctime = now
         if node.dirty is None:
             self._touch(node)
+        if self.unwritten:
+            self._written(ino, off, end)
         return n
+
+    def _prealloc_entries(self, ino: int) -> list[bytes]:
+        """MAP entries restating the blocks of ``ino`` preallocated and not written since."""
+        uw = self.unwritten.get(ino)
+        if not uw:
+            return []
+        blocks = self.inodes[ino].blocks
+        out: list[tuple[int, int, int]] = []
+        for fb in sorted(b for b in uw if b in blocks):
+            pb = blocks[fb]
+            if out and out[-1][0] + out[-1][2] == fb and out[-1][1] + out[-1][2] == pb:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((fb, pb, 1))
+        return [R.map_run(ino, fb, pb, n, R.MAP_PREALLOC) for fb, pb, n in out]
+
+    def _restore_unwritten(self, prealloc: dict[int, set[int]]) -> None:
+        """After replay: the blocks logged as preallocated that still read as zeros are
+        unwritten again (holes to SEEK_DATA). Writes log no change of that state, so a block
+        written since must be told by its bytes: a hole is never reported where data reads
+        back. Past PREALLOC_CHECK blocks to read, none is taken (they are data: also safe)."""
+        total = sum(len(fbs) for fbs in prealloc.values())
+        if not total:
+            return
+        if total > PREALLOC_CHECK:
+            log.info("%d preallocated blocks: reported as data until written or punched", total)
+            return
+        zero = bytes(BLOCK)
+        for ino, fbs in prealloc.items():
+            node = self.inodes.get(ino)
+            if node is None:
+                continue
+            keep = set()
+            for fb in fbs:
+                pb = node.blocks.get(fb)
+                if pb is not None:
+                    a = self.data_off + (pb << BLOCK_SHIFT)
+                    if self.buf[a: a + BLOCK] == zero:
+                        keep.add(fb)
+            if keep:
+                self.unwritten[ino] = keep
+
+    def _written(self, ino: int, off: int, end: int) -> None:
+        """Bytes [off, end) of the file were written: their blocks are data to SEEK_DATA."""
+        uw = self.unwritten.get(ino)
+        if uw:
+            uw.difference_update(range(off >> BLOCK_SHIFT, ((end - 1) >> BLOCK_SHIFT) + 1))
+            if not uw:
+                del self.unwritten[ino]
 
     def _write_slow(self, node: Inode, off: int, data: bytes | memoryview) -> None:
         n = len(data)

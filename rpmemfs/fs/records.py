@@ -30,6 +30,7 @@ T_SYMLINK = 7
 T_XSET = 8
 T_XDEL = 9
 T_NEXTINO = 10
+T_UNMAP = 11    # file blocks fblk .. fblk+count-1 unmapped (a punched hole)
 
 # tag, mode, ino, uid, gid, nlink, rdev, size, atime, mtime, ctime
 INODE = struct.Struct("<BxxxIQIIIIQqqq")
@@ -37,8 +38,9 @@ INODE = struct.Struct("<BxxxIQIIIIQqqq")
 LINK = struct.Struct("<BxHxxxxQQ")
 # tag, namelen, parent
 UNLINK = struct.Struct("<BxHxxxxQ")
-# tag, count, ino, fblk, pblk
-MAP = struct.Struct("<BxxxIQQQ")
+# tag, flags, count, ino, fblk, pblk
+MAP = struct.Struct("<BBxxIQQQ")
+MAP_PREALLOC = 1  # flags: preallocated by fallocate, zero until written (a hint, see replay)
 # tag, ino, fblk
 TRUNC = struct.Struct("<BxxxxxxxQQ")
 # tag, ino
@@ -51,6 +53,8 @@ XSET = struct.Struct("<BxHIQ")
 XDEL = struct.Struct("<BxHxxxxQ")
 # tag, next_ino
 NEXTINO = struct.Struct("<BxxxxxxxQ")
+# tag, ino, fblk, count
+UNMAP = struct.Struct("<BxxxxxxxQQQ")
 
 
 def _pad(n: int) -> int:
@@ -75,8 +79,8 @@ def unlink(parent: int, name: bytes) -> bytes:
     return UNLINK.pack(T_UNLINK, len(name), parent) + _tail(name)
 
 
-def map_run(ino: int, fblk: int, pblk: int, count: int) -> bytes:
-    return MAP.pack(T_MAP, count, ino, fblk, pblk)
+def map_run(ino: int, fblk: int, pblk: int, count: int, flags: int = 0) -> bytes:
+    return MAP.pack(T_MAP, flags, count, ino, fblk, pblk)
 
 
 def trunc(ino: int, fblk: int) -> bytes:
@@ -101,6 +105,10 @@ def xdel(ino: int, name: bytes) -> bytes:
 
 def next_ino(value: int) -> bytes:
     return NEXTINO.pack(T_NEXTINO, value)
+
+
+def unmap(ino: int, fblk: int, count: int) -> bytes:
+    return UNMAP.pack(T_UNMAP, ino, fblk, count)
 
 
 def frame(seq: int, payload: bytes) -> bytes:
@@ -153,7 +161,7 @@ def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 <<
 
 # Entries of a fixed size, and entries followed by a tail whose length their fields give.
 _FIXED: dict[int, struct.Struct] = {
-    T_INODE: INODE, T_MAP: MAP, T_TRUNC: TRUNC, T_FREE: FREE, T_NEXTINO: NEXTINO,
+    T_INODE: INODE, T_MAP: MAP, T_TRUNC: TRUNC, T_FREE: FREE, T_NEXTINO: NEXTINO, T_UNMAP: UNMAP,
 }
 _TAILED: dict[int, tuple[struct.Struct, Callable[[tuple[int, ...]], int]]] = {
     T_LINK: (LINK, lambda f: f[1]),

@@ -17,6 +17,8 @@ class Index:
         self.inodes: dict[int, Inode] = {}
         self.next_ino = ROOT_INO + 1
         self.problems: list[str] = []
+        # inode -> file blocks last mapped with MAP_PREALLOC (fallocate), not unmapped since
+        self.prealloc: dict[int, set[int]] = {}
 
     def apply(self, payloads: Iterable[memoryview]) -> int:
         """Apply every entry of every payload in order; returns the number of entries."""
@@ -36,7 +38,7 @@ class Index:
                         node.mode, node.uid, node.gid, node.nlink, node.rdev = mode, uid, gid, nlink, rdev
                         node.size, node.atime, node.mtime, node.ctime = size, at, mt, ct
                 elif tag == R.T_MAP:
-                    _, n, ino, fb, pb = f
+                    _, flags, n, ino, fb, pb = f
                     node = inodes.get(ino)
                     if node is None:
                         self.problems.append(f"block map for missing inode {ino}")
@@ -45,6 +47,10 @@ class Index:
                         node.blocks[fb] = pb
                     else:
                         node.blocks.update(zip(range(fb, fb + n), range(pb, pb + n), strict=True))
+                    if flags & R.MAP_PREALLOC:
+                        self.prealloc.setdefault(ino, set()).update(range(fb, fb + n))
+                    elif ino in self.prealloc:
+                        self.prealloc[ino].difference_update(range(fb, fb + n))
                 elif tag == R.T_LINK:
                     _, _n, parent, ino = f
                     pnode = inodes.get(parent)
@@ -66,8 +72,21 @@ class Index:
                     if node is not None:
                         for b in [b for b in node.blocks if b >= fb]:
                             del node.blocks[b]
+                    if ino in self.prealloc:
+                        self.prealloc[ino] = {b for b in self.prealloc[ino] if b < fb}
+                elif tag == R.T_UNMAP:
+                    _, ino, fb, n = f
+                    node = inodes.get(ino)
+                    if node is not None:
+                        gone = (range(fb, fb + n) if n <= len(node.blocks)
+                                else [b for b in node.blocks if fb <= b < fb + n])
+                        for b in gone:
+                            node.blocks.pop(b, None)
+                    if ino in self.prealloc:
+                        self.prealloc[ino] = {b for b in self.prealloc[ino] if not fb <= b < fb + n}
                 elif tag == R.T_FREE:
                     inodes.pop(f[1], None)
+                    self.prealloc.pop(f[1], None)
                 elif tag == R.T_SYMLINK:
                     node = inodes.get(f[2])
                     if node is not None:

@@ -135,7 +135,7 @@ class Mounted:
             "pmem_mode": self.mapping.kind,
             "pmem_requested": self.mapping.requested,
             "persists": {"flush_fence": self.mapping.flushes, "msync": self.mapping.msyncs},
-            "fsync_count": self.durability.stats.fsyncs,
+            "fsync_count": self.durability.stats.fsyncs, "copy_file_range": self.ops.extents.stats(),
             "fsync_latency_us": self.durability.stats.percentiles(),
             "poll_us": self.ops.poller.budget_us,
             "poll_passes": self.ops.poller.polls,

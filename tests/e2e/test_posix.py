@@ -1048,8 +1048,8 @@ def test_many_metadata_operations_and_checkpoints(
 
 
 def test_posix_fallocate(mnt: Mount) -> None:
-    """pyfuse3 has no fallocate handler: glibc's posix_fallocate falls back to writing
-    zeros, which must give the right size, zeros, and keep existing data."""
+    """posix_fallocate (served by the daemon's fallocate, test_fallocate.py has the modes)
+    gives the right size, zeros, and keeps existing data."""
     p = mnt.path / "falloc"
     fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
     try:
