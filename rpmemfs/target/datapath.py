@@ -14,6 +14,7 @@ connections are untouched.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -55,6 +56,11 @@ log = logging.getLogger("rpmemfs.target.datapath")
 # answered; past this many pending ranges they are written back early to bound the list.
 MAX_DIRTY = 1024
 ERROR_SEND_TIMEOUT = 1.0
+
+
+def _sec_reason() -> str:
+    return ("a record failed authentication (changed, dropped, replayed or reordered in transit); "
+            "nothing of it was placed")
 
 
 class Violation(Exception):
@@ -141,7 +147,14 @@ class FrameLoop:
                 log.warning("peer %s: closing %s: truncated frame (closed mid-frame)", self._peer, self._what)
             else:
                 log.info("peer %s: %s closed by the peer", self._peer, self._what)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.EBADMSG, errno.EPROTO):
+                # Nothing of the bad record was placed; the initiator sees the lane lost.
+                log.warning("peer %s: closing %s: %s", self._peer, self._what,
+                            exc.strerror if exc.errno != errno.EBADMSG else _sec_reason())
+            else:
+                log.info("peer %s: %s lost: %s", self._peer, self._what, exc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("peer %s: %s lost: %s", self._peer, self._what, exc)
 
     async def _serve_native(self) -> None:

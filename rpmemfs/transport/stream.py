@@ -68,10 +68,10 @@ class FrameReader:
         if n > len(self._buf):
             return False
         self._make_room(n)
-        sock = self.sock.sock
+        sock = self.sock
         while self._end - self._start < n:
             try:
-                got = sock.recv_into(self._view[self._end :])
+                got = sock.recv_nowait(self._view[self._end :])
             except BlockingIOError:
                 return False
             except InterruptedError:
@@ -174,9 +174,21 @@ def _advance(pending: list[Buffer], i: int, sent: int) -> int:
     return i
 
 
+# The rest of a send whose bytes were all sealed but not all taken by the socket yet:
+# sending it (send_all) pushes them out.
+SEALED_REST: list[Buffer] = [b""]
+
+
 def send_nowait(sock: SockIO, bufs: list[Buffer]) -> tuple[list[Buffer], int]:
     """Send what the socket takes now; returns (what is left, sendmsg calls)."""
     pending = list(bufs)
+    if sock.protected:
+        try:
+            taken = sock.sendv_nowait(pending)
+        except BlockingIOError:
+            return pending, 0
+        rest = pending[_advance(pending, 0, taken):]
+        return rest or (list(SEALED_REST) if sock.pending else []), 1
     raw = sock.sock
     calls = i = 0
     while i < len(pending):
