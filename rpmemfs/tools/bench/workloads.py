@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,51 @@ def seq_write(directory: Path, scale: Scale) -> WorkloadResult:
     )
 
 
+CONCURRENT_JOBS = 4
+
+
+def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
+    """overwrite_fsync in CONCURRENT_JOBS threads at once, each on a file of its own: the
+    rate they reach together (os.pwrite and os.fsync release the GIL)."""
+    fds = [_preallocated(directory / f"job{j}.dat", MAPPED_FILE_SIZE // CONCURRENT_JOBS)
+           for j in range(CONCURRENT_JOBS)]
+    buf = os.urandom(BLOCK)
+    offsets = _random_offsets(scale.warmup + scale.ops, MAPPED_FILE_SIZE // CONCURRENT_JOBS)
+    errors: list[BaseException] = []
+
+    def job(fd: int, part: list[int]) -> None:
+        try:
+            for off in part:
+                os.pwrite(fd, buf, off)
+                os.fsync(fd)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    def run_all(part: list[int]) -> int:
+        threads = [threading.Thread(target=job, args=(fd, part)) for fd in fds]
+        t0 = perf_counter_ns()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return perf_counter_ns() - t0
+
+    try:
+        run_all(offsets[: scale.warmup])
+        elapsed_ns = run_all(offsets[scale.warmup :])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    ops = CONCURRENT_JOBS * scale.ops
+    seconds = elapsed_ns / 1e9
+    return WorkloadResult(
+        metrics=[Metric("iops", ops / seconds, "ops/s", "higher")],
+        details={"ops": float(ops), "jobs": float(CONCURRENT_JOBS), "seconds": seconds},
+    )
+
+
 def small_files(directory: Path, scale: Scale) -> WorkloadResult:
     target = directory / "small"
     target.mkdir()
@@ -170,6 +216,8 @@ WORKLOADS: dict[str, Workload] = {
                  overwrite_fsync),
         Workload("append_fdatasync", "4 KiB O_APPEND write + fdatasync", append_fdatasync),
         Workload("seq_write", "1 MiB pwrite sequential, one fsync at the end", seq_write),
+        Workload("concurrent_fsync", f"overwrite_fsync in {CONCURRENT_JOBS} threads, a file each: "
+                 "the rate together", concurrent_fsync),
         Workload("small_files", "create + 4 KiB write + fsync + close, one directory",
                  small_files),
         Workload("mmap_msync", "4 KiB store + msync(MS_SYNC), 16 MiB MAP_SHARED file",
