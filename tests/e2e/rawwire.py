@@ -70,9 +70,11 @@ class Records:
         return b"".join(out)
 
 
-def hello(role: Role, session_id: bytes, protect: bool = True) -> tuple[auth.Ephemeral, bytes]:
+def hello(role: Role, session_id: bytes, protect: bool = True, flags: int = 0
+          ) -> tuple[auth.Ephemeral, bytes]:
     mine = auth.Ephemeral()
-    return mine, Hello(VERSION, role, mine.public, session_id, 0 if protect else HELLO_F_PLAIN).pack()
+    flags |= 0 if protect else HELLO_F_PLAIN
+    return mine, Hello(VERSION, role, mine.public, session_id, flags).pack()
 
 
 def answer_challenge(token: bytes, mine: auth.Ephemeral, raw_hello: bytes, challenge: Frame,

@@ -130,6 +130,7 @@ class RawConn:
         self.sock = socket.create_connection((host, port), timeout=5)
         self.buf = b""
         self.records: rawwire.Records | None = None
+        self.cipher = Cipher.NONE  # what the target chose in its CHALLENGE
 
     def close(self) -> None:
         self.sock.close()
@@ -150,16 +151,17 @@ class RawConn:
         frame = unpack_header(self._exact(HEADER.size))
         return frame, self._exact(frame.length)
 
-    def handshake(self, token: bytes | None = None, role: Role = Role.CONTROL, sid: bytes = NO_SESSION
-                  ) -> bytes:
+    def handshake(self, token: bytes | None = None, role: Role = Role.CONTROL, sid: bytes = NO_SESSION,
+                  flags: int = 0) -> bytes:
         """As an initiator: a control connection names its token, a lane its session ``sid``.
         The token by default: the one the test run's targets generate."""
         token = token if token is not None else local_token()
         assert token is not None
-        mine, hello = rawwire.hello(role, key_id(token) if role == Role.CONTROL else sid)
+        mine, hello = rawwire.hello(role, key_id(token) if role == Role.CONTROL else sid, flags=flags)
         self.send(hello)
         frame, payload = self.frame()
         assert frame.op == Op.CHALLENGE, (frame, payload)
+        self.cipher = Cipher(frame.imm)
         answer, records, genuine = rawwire.answer_challenge(token, mine, hello, frame, payload)
         assert genuine
         self.send(answer)  # in the clear, as the AUTH is: sealed is what follows it

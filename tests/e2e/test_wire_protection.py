@@ -28,12 +28,15 @@ from rpmemfs.transport import TransportError, connect, protection
 from rpmemfs.transport.tokens import new_token_file, read_token_file
 from rpmemfs.transport.wire import (
     HEADER_SIZE,
+    HELLO_F_NO_AES,
     HELLO_F_PLAIN,
     HELLO_SIZE,
     RECORD_LEN_SIZE,
     RECORD_TAG_SIZE,
     Cipher,
     Op,
+    Role,
+    pack_header,
     unpack_header,
 )
 
@@ -302,6 +305,39 @@ def test_a_dropped_replayed_or_reordered_record_closes_the_lane(
     assert tamper.done
     assert _pool_bytes(t, "sequenced", 8192 + 100)[8192:] == bytes(100)
     assert wait_until(lambda: "a record failed authentication" in _log(t)), _log(t)[-3000:]
+
+
+def test_an_initiator_without_aes_instructions_gets_chacha20_poly1305(
+        start_target: Callable[..., TargetProcess], token: bytes) -> None:
+    """HELLO flag NO_AES (sent by an initiator whose CPU lacks AES-NI) makes the target seal
+    with ChaCha20-Poly1305, on the control connection (Python) and on a lane (C loop)."""
+    from test_target import RawConn  # the hand-made initiator of the raw-frame tests
+
+    t = start_target()
+    ctl, lane = RawConn(t.address), RawConn(t.address)
+    try:
+        sid = ctl.handshake(token, flags=HELLO_F_NO_AES)
+        assert ctl.cipher == Cipher.CHACHA20_POLY1305
+        reply = ctl.control({"op": "create", "name": "chacha", "size": POOL})
+        assert reply["ok"], reply
+        lane.handshake(token, Role.LANE, sid, flags=HELLO_F_NO_AES)
+        assert lane.cipher == Cipher.CHACHA20_POLY1305
+        data = os.urandom(40 * KiB)
+        lane.send(pack_header(Op.WRITE, 0, reply["key"], 0, len(data), 1, 0) + data
+                  + pack_header(Op.READ, 0, reply["key"], 0, len(data), 2, 0))
+        frame, payload = lane.frame()
+        assert frame.op == Op.READ_RESP and payload == data
+    finally:
+        ctl.close()
+        lane.close()
+    assert _pool_bytes(t, "chacha", len(data)) == data
+    # Without the flag, on this CPU (AES-NI here, as cpuid says): AES-256-GCM.
+    other = RawConn(t.address)
+    try:
+        other.handshake(token)
+        assert other.cipher == (Cipher.AES_256_GCM if protection.has_aes() else Cipher.CHACHA20_POLY1305)
+    finally:
+        other.close()
 
 
 # --------------------------------------------------------------------------- what is seen
