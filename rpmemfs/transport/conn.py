@@ -5,6 +5,7 @@ connection: whoever waits for a reply reads frames until its own arrives and lea
 others' in a stash. A connection that fails mid-operation (a deadline, a cancellation after
 bytes went out, an ERROR frame that closes it, the peer gone) is *lost*, like a queue pair in
 the error state: every later operation on it raises TransportError with the first reason.
+A record that fails authentication (protected traffic, docs/wire.md) loses it the same way.
 """
 
 from __future__ import annotations

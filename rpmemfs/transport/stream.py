@@ -3,7 +3,8 @@
 The reader keeps one staging buffer. Small frames arrive many to a recv() and are parsed out
 of it; a large payload is received straight into the caller's destination (for the target:
 a slice of the pool mapping), so the bytes are copied once, by the kernel, as a NIC would.
-Neither applies deadlines: the caller bounds the waits (SockIO.arm, or a cancel scope).
+On a protected connection that copy is the record layer's, from the buffer it opened the
+record in, once the record's tag verified (SockIO.protect). Neither applies deadlines: the caller bounds the waits (SockIO.arm, or a cancel scope).
 """
 
 from __future__ import annotations
