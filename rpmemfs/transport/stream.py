@@ -4,7 +4,8 @@ The reader keeps one staging buffer. Small frames arrive many to a recv() and ar
 of it; a large payload is received straight into the caller's destination (for the target:
 a slice of the pool mapping), so the bytes are copied once, by the kernel, as a NIC would.
 On a protected connection that copy is the record layer's, from the buffer it opened the
-record in, once the record's tag verified (SockIO.protect). Neither applies deadlines: the caller bounds the waits (SockIO.arm, or a cancel scope).
+record in, once the record's tag verified (SockIO.protect). Neither applies deadlines: the
+caller bounds the waits (SockIO.arm, or a cancel scope).
 """
 
 from __future__ import annotations
@@ -184,12 +185,17 @@ def send_nowait(sock: SockIO, bufs: list[Buffer]) -> tuple[list[Buffer], int]:
     """Send what the socket takes now; returns (what is left, sendmsg calls)."""
     pending = list(bufs)
     if sock.protected:
-        try:
-            taken = sock.sendv_nowait(pending)
-        except BlockingIOError:
-            return pending, 0
-        rest = pending[_advance(pending, 0, taken):]
-        return rest or (list(SEALED_REST) if sock.pending else []), 1
+        calls = i = 0
+        # One call seals what fits the record layer's buffer; go on while the socket takes it.
+        while i < len(pending) and not sock.pending:
+            try:
+                taken = sock.sendv_nowait(pending[i:])
+            except BlockingIOError:
+                break
+            calls += 1
+            i = _advance(pending, i, taken)
+        rest = pending[i:]
+        return rest or (list(SEALED_REST) if sock.pending else []), calls
     raw = sock.sock
     calls = i = 0
     while i < len(pending):
