@@ -99,6 +99,28 @@ void rpm_count(uint64_t *field, uint64_t n)
     __atomic_add_fetch(field, n, __ATOMIC_RELAXED);
 }
 
+static uint64_t persist_bounds[RPM_PERSIST_BUCKETS - 1];
+static uint32_t n_persist_bounds;
+
+void rpm_persist_bounds(const uint64_t *ns, uint32_t n)
+{
+    if (n > RPM_PERSIST_BUCKETS - 1)
+        n = RPM_PERSIST_BUCKETS - 1;
+    memcpy(persist_bounds, ns, sizeof *ns * n);
+    n_persist_bounds = n;
+}
+
+void rpm_count_persist(struct rpm_counters *c, uint64_t ns, uint64_t bytes)
+{
+    uint32_t i = 0;
+    while (i < n_persist_bounds && ns > persist_bounds[i])
+        i++;
+    rpm_count(&c->persist_hist[i], 1);
+    rpm_count(&c->persists, 1);
+    rpm_count(&c->persist_ns, ns);
+    rpm_count(&c->persisted_bytes, bytes);
+}
+
 static struct rpm_region *hold(struct rpm_lane *l, uint32_t key)
 {
     if (!key)
@@ -419,11 +441,15 @@ static int do_flush(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm
     /* The pairs may be unaligned in the staging buffer; copy them in bounded chunks. */
     uint64_t pairs[2 * 64];
     int failed = 0;
+    uint64_t bytes = 0, started = now_ns();
     for (uint32_t i = 0; i < count; i += 64) {
         uint32_t k = count - i < 64 ? count - i : 64;
         memcpy(pairs, flush_range_at(p, i), (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * k);
         persist(r, pairs, k, &failed);
+        for (uint32_t j = 0; j < k; j++)
+            bytes += pairs[2 * j + 1];
     }
+    rpm_count_persist(r->counters, now_ns() - started, bytes);
     if (failed) {
         l->err = failed;
         memcpy(l->hdr, h, RPM_WIRE_HEADER_SIZE);

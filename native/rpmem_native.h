@@ -79,6 +79,10 @@ int rpm_sec_failed(const struct rpm_sec *s);
 
 /* ---- target data path (rpmem_lane.c) ---- */
 
+/* Buckets of the persist-latency histogram: the bounds Python sets (rpm_persist_bounds),
+ * then +Inf. */
+#define RPM_PERSIST_BUCKETS 24
+
 /* Per-pool counters, shared by every lane that writes into the pool. */
 struct rpm_counters {
     uint64_t writes;
@@ -87,6 +91,10 @@ struct rpm_counters {
     uint64_t reads;
     uint64_t atomics;
     uint64_t persisted_ranges;
+    uint64_t persisted_bytes;
+    uint64_t persists;
+    uint64_t persist_ns;
+    uint64_t persist_hist[RPM_PERSIST_BUCKETS];
 };
 
 /* One registration of a session, as lanes see it. live and inflight make the handover
@@ -141,6 +149,11 @@ int rpm_region_retire(struct rpm_region *r);
 int rpm_region_inflight(struct rpm_region *r);
 /* Atomic add, for counters that lanes update too. */
 void rpm_count(uint64_t *field, uint64_t n);
+/* The persist-latency histogram's upper bounds in ns, ascending (at most
+ * RPM_PERSIST_BUCKETS - 1); set once, before any lane runs. */
+void rpm_persist_bounds(const uint64_t *ns, uint32_t n);
+/* One persist (a flush's ranges written back) took ns and covered bytes. */
+void rpm_count_persist(struct rpm_counters *c, uint64_t ns, uint64_t bytes);
 
 /* Serve frames until something only Python handles: never returns 0. */
 int rpm_lane_serve(struct rpm_lane *lane);

@@ -401,11 +401,18 @@ def _ask_target(args: argparse.Namespace, request: dict[str, object]) -> dict[st
 
 
 def cmd_pools(args: argparse.Namespace) -> int:
+    """Exit status for scripts, as `rpmemfs status`'s: 0 every pool is a consistent copy, 1
+    some pool's resync began and did not end (UNFINISHED: not a copy to fail over to), 3 the
+    target does not answer (or refuses the token)."""
     from rpmemfs.target.admin import format_pools
 
-    pools = _ask_target(args, {"op": "pools"}).get("pools", {})
+    try:
+        pools = _ask_target(args, {"op": "pools"}).get("pools", {})
+    except (RpmemfsError, OSError) as exc:
+        sys.stderr.write(f"rpmemfs: {exc}\n")
+        return 3
     print(json.dumps(pools, indent=2) if args.json else format_pools(args.address, pools))
-    return 0
+    return 1 if any((p.get("owner") or {}).get("resync") for p in pools.values()) else 0
 
 
 def cmd_token(args: argparse.Namespace) -> int:

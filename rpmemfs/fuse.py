@@ -2,8 +2,14 @@
 
 Errno choices worth knowing: a full pool gives ENOSPC (data blocks or the metadata log);
 names over 255 bytes ENAMETOOLONG; a durability point that cannot complete gives EIO, as a
-disk would. fallocate(2) is not offered by pyfuse3, so the kernel answers EOPNOTSUPP and
-posix_fallocate(3) falls back to writing zeros, which works.
+disk would.
+
+Permissions and POSIX ACLs are checked by the kernel (default_permissions; FUSE_POSIX_ACL
+when the mount has xattrs: the kernel reads system.posix_acl_access through getxattr). What
+ext4 does beside the check is ours: ACLs and modes kept in step, default ACLs and setgid
+directories inherited, and the umask (FUSE_DONT_MASK: the kernel leaves it to us, as it
+must not apply under a default ACL). Setuid and setgid are cleared on write, truncate and
+chown by the kernel (HANDLE_KILLPRIV is not negotiated: write() is not told who writes).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from rpmemfs.callers import ProcCaller
 from rpmemfs.durability import Durability, DurabilityError
 from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.filesystem import Filesystem, NeedSync
@@ -29,6 +36,11 @@ from rpmemfs.pool.layout import BLOCK
 log = logging.getLogger("rpmemfs.fuse")
 
 STATUS_XATTR = b"user.rpmemfs.status"
+# File capabilities are not supported (as on a nosuid mount): the name is never stored, and
+# the patched pyfuse3 answers ENODATA for it without a coroutine (see absent_xattrs). The
+# kernel asks for it before every write, since libfuse 3.14 cannot negotiate
+# FUSE_HANDLE_KILLPRIV_V2 (which would let the kernel skip it).
+CAPABILITY_XATTR = b"security.capability"
 TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon anyway
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -60,6 +72,8 @@ def errors(fn: F) -> F:
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     supports_dot_lookup = True
+    enable_dont_mask = True
+    enable_handle_killpriv = False
 
     def __init__(self, fs: Filesystem, durability: Durability, describe: Callable[[], dict[str, Any]],
                  xattrs: bool = True, poll_us: int = 0, writeback_cache: bool = False) -> None:
@@ -70,8 +84,14 @@ class Operations(pyfuse3.Operations):
         self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
         # before every write (FUSE clears SB_NOSEC; libfuse 3.14 cannot request
-        # HANDLE_KILLPRIV_V2), which saves one round trip per write.
+        # HANDLE_KILLPRIV_V2), which saves one round trip per write; with them, the
+        # binding answers that question itself.
         self.xattrs = xattrs
+        self.absent_xattrs = frozenset({CAPABILITY_XATTR}) if xattrs else frozenset()
+        self.getxattr_calls = 0  # that reached this daemon's Python code, for status
+        # ACLs live in xattrs: without them setfacl gets EOPNOTSUPP (from our ENOSYS).
+        self.enable_acl = xattrs
+        fs.posix_acl = xattrs
         self.describe = describe
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._next_dh = 1
@@ -96,6 +116,10 @@ class Operations(pyfuse3.Operations):
         e.st_mtime_ns = node.mtime
         e.st_ctime_ns = node.ctime
         return e
+
+    @staticmethod
+    def caller(ctx: pyfuse3.RequestContext) -> ProcCaller:
+        return ProcCaller(ctx.uid, ctx.gid, ctx.pid)
 
     def looked_up(self, node: Inode) -> pyfuse3.EntryAttributes:
         node.lookups += 1
@@ -130,6 +154,8 @@ class Operations(pyfuse3.Operations):
             size=attr.st_size if fields.update_size else None,
             atime=attr.st_atime_ns if fields.update_atime else None,
             mtime=attr.st_mtime_ns if fields.update_mtime else None,
+            atime_now=fields.update_atime_now,
+            mtime_now=fields.update_mtime_now,
         ))
         return self.entry(node)
 
@@ -143,12 +169,14 @@ class Operations(pyfuse3.Operations):
     @errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self.looked_up(self.fs.create(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+        return self.looked_up(self.fs.create(parent_inode, name, mode, ctx.uid, ctx.gid, rdev,
+                                             umask=ctx.umask, caller=self.caller(ctx)))
 
     @errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
                     ) -> pyfuse3.EntryAttributes:
-        return self.looked_up(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self.looked_up(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid,
+                                            umask=ctx.umask, caller=self.caller(ctx)))
 
     @errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -180,9 +208,10 @@ class Operations(pyfuse3.Operations):
         node = self.fs.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        if flags & os.O_TRUNC and node.size:
+        if flags & os.O_TRUNC:
             # libfuse negotiates atomic O_TRUNC: the kernel sends no separate setattr.
-            await self._retry(lambda: self.fs.setattr(inode, size=0))
+            caller = self.caller(ctx)
+            await self._retry(lambda: self.fs.open_truncate(inode, caller))
         self.fs.opened(inode)
         # keep_cache only while nothing truncated the file behind the kernel's page cache
         return pyfuse3.FileInfo(fh=inode, keep_cache=not flags & os.O_TRUNC)
@@ -190,7 +219,8 @@ class Operations(pyfuse3.Operations):
     @errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        node = self.fs.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        node = self.fs.create(parent_inode, name, mode, ctx.uid, ctx.gid, umask=ctx.umask,
+                              caller=self.caller(ctx))
         self.fs.opened(node.ino)
         return pyfuse3.FileInfo(fh=node.ino, keep_cache=True), self.looked_up(node)
 
@@ -289,14 +319,17 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.ENOSYS)
         if name == STATUS_XATTR:
             raise FsError(errno.EPERM)
+        if name == CAPABILITY_XATTR:
+            raise FsError(errno.EOPNOTSUPP)  # file capabilities are not supported (see above)
         def set_it() -> Inode:
-            self.fs.setxattr(inode, name, value)
+            self.fs.setxattr(inode, name, value, self.caller(ctx))
             return self.fs.node(inode)
 
         await self._retry(set_it)
 
     @errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        self.getxattr_calls += 1
         if not self.xattrs:
             raise FsError(errno.ENOSYS)
         if name == STATUS_XATTR and inode == pyfuse3.ROOT_INODE:
@@ -322,5 +355,5 @@ class Operations(pyfuse3.Operations):
         self.fs.removexattr(inode, name)
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        # default_permissions makes the kernel check modes itself.
+        # default_permissions makes the kernel check modes (and ACLs) itself.
         return True

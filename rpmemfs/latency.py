@@ -42,3 +42,15 @@ class Histogram:
             total += c
             cumulative.append(total)
         return Snapshot(tuple(cumulative), self._sum_ns / 1e9, self.count)
+
+
+def bucket_quantile(buckets: tuple[int, ...] | list[int], q: float) -> float | None:
+    """The upper bound in seconds of the bucket holding the ``q`` quantile (inf past the last
+    bound), from cumulative counts as in Snapshot; None when nothing was observed."""
+    if not buckets or not buckets[-1]:
+        return None
+    rank = q * buckets[-1]
+    for bound, count in zip((*BOUNDS_S, float("inf")), buckets, strict=False):
+        if count >= rank:
+            return bound
+    return float("inf")

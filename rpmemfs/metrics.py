@@ -158,6 +158,10 @@ def target_families(st: dict[str, Any]) -> Iterator[Metric]:
                                   "unauthenticated connections under their caps")
     dropped.add_metric([], float(st["handshakes_dropped"]))
     yield dropped
+    failed = CounterMetricFamily("rpmemfs_target_failed_proofs", "handshakes refused for a wrong or "
+                                 "unknown token (each answered after a per-address delay)")
+    failed.add_metric([], float(st.get("failed_proofs", 0)))
+    yield failed
     labels = ["pool"]
     counters = {
         "writes": CounterMetricFamily("rpmemfs_target_writes", "WRITE operations placed", labels=labels),
@@ -167,7 +171,11 @@ def target_families(st: dict[str, Any]) -> Iterator[Metric]:
         "persisted_ranges": CounterMetricFamily("rpmemfs_target_persisted_ranges",
                                                 "ranges made persistent", labels=labels),
         "reads": CounterMetricFamily("rpmemfs_target_reads", "READ operations served", labels=labels),
+        "persisted_bytes": CounterMetricFamily("rpmemfs_target_persisted_bytes",
+                                               "bytes made persistent by flushes", labels=labels),
     }
+    persist = _histogram("rpmemfs_target_persist_seconds", "flushes' write-backs to the persistence "
+                         "domain (general-purpose method)", labels)
     size = GaugeMetricFamily("rpmemfs_target_pool_size_bytes", "pool file size", labels=labels)
     open_ = GaugeMetricFamily("rpmemfs_target_pool_open", "sessions that have the pool open",
                               labels=labels)
@@ -180,7 +188,11 @@ def target_families(st: dict[str, Any]) -> Iterator[Metric]:
         open_.add_metric([name], float(p.get("open") or 0))
         owner = p.get("owner") or {}
         unfinished.add_metric([name], 1.0 if owner.get("resync") else 0.0)
-    yield from (*counters.values(), size, open_, unfinished)
+        buckets = p.get("persist_buckets")
+        if buckets:
+            _add_histogram(persist, [name], Snapshot(tuple(buckets), (p.get("persist_ns") or 0) / 1e9,
+                                                     int(p.get("persists") or 0)))
+    yield from (*counters.values(), persist, size, open_, unfinished)
 
 
 def serve_snapshots(address: str, snapshot: Callable[[], dict[str, Any]],

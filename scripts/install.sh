@@ -5,10 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # libssl-dev: the native helper seals protected connections with libcrypto (native/rpmem_sec.c).
-PKGS=(fuse3 libfuse3-dev libssl-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc)
+PKGS=(fuse3 libfuse3-dev libssl-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc patch)
 # The tests also run a real Prometheus server and promtool against the metrics and alert rules,
-# and systemd-analyze against the units.
-for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd); done
+# systemd-analyze against the units, and setfacl/getfacl on the mount and on a tmpfs beside it.
+for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd acl); done
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -33,6 +33,9 @@ for arg in "$@"; do
     --system) system=1 ;;
   esac
 done
+# pyfuse3 with the operations it lacks (fallocate, lseek, copy_file_range, DONT_MASK):
+# patches/pyfuse3-3.5.0.patch on its sdist, rebuilt whenever the patch changes.
+scripts/build-pyfuse3.sh .venv/bin/python
 .venv/bin/python -m pip install -q -e ".${extras}"
 if [ "$system" = 1 ]; then
   # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work; the

@@ -54,6 +54,8 @@ if ! "$py" -c 'import pytest, pytest_timeout, trio, cryptography' 2>/dev/null; t
     "$py" -m pip install -q --disable-pip-version-check pytest pytest-timeout trio cryptography \
         || { echo "verbs tests: cannot install pytest, trio and cryptography into vm/venv" >&2; exit 1; }
 fi
+# The patched pyfuse3 the mount needs (as scripts/install.sh builds it for .venv).
+scripts/build-pyfuse3.sh "$py" || { echo "verbs tests: cannot build pyfuse3 for vm/venv" >&2; exit 1; }
 # The project itself, for the tests that will drive rpmemfs over verbs. Its cffi extension is
 # compiled here, for Debian's Python; the transport-level tests do not need it.
 if ! "$py" -m pip show -q rpmemfs >/dev/null 2>&1; then

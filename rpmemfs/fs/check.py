@@ -5,6 +5,8 @@ from __future__ import annotations
 import stat
 from typing import Any
 
+from rpmemfs.fs import acl
+from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.log import scan
 from rpmemfs.fs.replay import ROOT_INO, Index
 from rpmemfs.pool.header import read_header
@@ -74,6 +76,7 @@ def check(buf: memoryview, path: str = "") -> dict[str, Any]:
         return report
     problems.extend(index.problems)
     _check_tree(index, hdr.data_blocks, problems, report["notes"])
+    _check_acls(index, problems)
     inodes = index.inodes
     report["stats"] = {
         "inodes": len(inodes),
@@ -157,3 +160,18 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{s['used_blocks']}/{s['data_blocks']} data blocks used, "
                      f"{s['log_records']} log records")
     return "\n".join(lines)
+
+
+def _check_acls(index: Index, problems: list[str]) -> None:
+    """Stored ACLs are ones the kernel would accept, where Linux allows them."""
+    for ino, node in index.inodes.items():
+        for name in acl.NAMES:
+            value = node.xattrs.get(name)
+            if value is None:
+                continue
+            try:
+                acl.parse(value)
+            except FsError as e:
+                problems.append(f"inode {ino} has a malformed {name.decode()}: {e}")
+            if name == acl.DEFAULT and node.children is None:
+                problems.append(f"inode {ino} is not a directory but has a default ACL")

@@ -26,8 +26,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from rpmemfs.fs import acl as A
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
+from rpmemfs.fs.creds import ROOT, Caller
 from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.log import Log, LogFull, LogScan, Ranges, scan
@@ -96,6 +98,9 @@ class Filesystem:
         self.persisted: Ranges = []
         self.pending_bytes = 0  # log bytes the dirty inodes will need
         self.meta_full = False
+        # POSIX ACLs kept in step with modes and inherited from default ACLs; off when the
+        # mount has no xattrs (then nothing can set one, and the kernel checks modes only).
+        self.posix_acl = True
 
     # ---------------------------------------------------------------- opening
 
@@ -324,17 +329,41 @@ class Filesystem:
         return self.inodes[ino]
 
     def _make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
-              target: bytes = b"") -> Inode:
+              target: bytes = b"", umask: int = 0, caller: Caller | None = None) -> Inode:
+        """A new inode named ``name`` in ``parent``, owned as Linux's inode_init_owner and
+        posix_acl_create make it on ext4: in a setgid directory it takes the directory's
+        group (and a directory the setgid bit too); under a default ACL it gets an access
+        ACL and a mode from it and the requested mode, and the umask is not applied; without
+        one the umask is (FUSE_DONT_MASK: the kernel leaves it to us)."""
         self._check_name(name)
         pnode = self._dir(parent)
         assert pnode.children is not None
         if name in pnode.children:
             raise FsError(errno.EEXIST)
-        self._new_inode_room(R.INODE.size * 2 + R.LINK.size + len(name) + len(target) + 16)
+        is_dir = stat.S_ISDIR(mode)
+        if pnode.mode & stat.S_ISGID:
+            if is_dir:
+                mode |= stat.S_ISGID
+            elif (mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID | stat.S_IXGRP
+                  and not (caller or ROOT).in_group_or_capable(pnode.gid)):
+                mode &= ~stat.S_ISGID  # mode_strip_sgid: not a member of the group it gets
+            gid = pnode.gid
+        xattrs: dict[bytes, bytes] = {}
+        if not stat.S_ISLNK(mode):
+            default = self._default_acl(pnode)
+            if default is None:
+                mode &= ~(umask & 0o777)
+            else:
+                access, mode = A.create(default, mode)
+                if access is not None:
+                    xattrs[A.ACCESS] = A.encode(access)
+                if is_dir:
+                    xattrs[A.DEFAULT] = pnode.xattrs[A.DEFAULT]
+        xbytes = sum(R.XSET.size + len(k) + len(v) + 8 for k, v in xattrs.items())
+        self._new_inode_room(R.INODE.size * 2 + R.LINK.size + len(name) + len(target) + 16 + xbytes)
         now = time.time_ns()
         ino = self.next_ino
         self.next_ino += 1
-        is_dir = stat.S_ISDIR(mode)
         node = Inode(ino, mode, uid, gid, 2 if is_dir else 1, rdev, len(target), now, now, now)
         self.inodes[ino] = node
         entries: list[bytes] = []
@@ -345,19 +374,35 @@ class Filesystem:
             node.parent = parent
             pnode.nlink += 1
         pnode.children[name] = ino
-        pnode.mtime = pnode.ctime = now
+        pnode.tick(mtime=True)
         self._touch(node)
         self._touch(pnode)
+        for k, v in xattrs.items():
+            node.xattrs[k] = v
+            self._map_change(node, R.xset(ino, k, v))
         entries.append(R.link(parent, name, ino))
         self._commit(entries)
         return node
 
-    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-               rdev: int = 0) -> Inode:
-        return self._make(parent, name, mode, uid, gid, rdev)
+    def _default_acl(self, pnode: Inode) -> A.Acl | None:
+        """The directory's default ACL, when ACLs are on and it has a valid one."""
+        value = pnode.xattrs.get(A.DEFAULT) if self.posix_acl else None
+        if value is None:
+            return None
+        try:
+            return A.parse(value) or None
+        except FsError:
+            log.warning("inode %d: its default ACL is malformed; new entries ignore it", pnode.ino)
+            return None
 
-    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        return self._make(parent, name, (mode & 0o7777) | stat.S_IFDIR, uid, gid)
+    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+               rdev: int = 0, umask: int = 0, caller: Caller | None = None) -> Inode:
+        return self._make(parent, name, mode, uid, gid, rdev, umask=umask, caller=caller)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int, umask: int = 0,
+              caller: Caller | None = None) -> Inode:
+        return self._make(parent, name, (mode & 0o7777) | stat.S_IFDIR, uid, gid, umask=umask,
+                          caller=caller)
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         if len(target) > 4095:
@@ -374,11 +419,10 @@ class Filesystem:
         if name in pnode.children:
             raise FsError(errno.EEXIST)
         self._room(R.INODE.size * 2 + R.LINK.size + len(name) + 8)
-        now = time.time_ns()
         node.nlink += 1
-        node.ctime = now
+        node.tick()
         pnode.children[name] = ino
-        pnode.mtime = pnode.ctime = now
+        pnode.tick(mtime=True)
         self._touch(node)
         self._touch(pnode)
         self._commit([R.link(parent, name, ino)])
@@ -406,14 +450,14 @@ class Filesystem:
         self._room(R.INODE.size * 2 + R.UNLINK.size + len(name) + R.FREE.size + 8)
         pnode = self.inodes[parent]
         assert pnode.children is not None
-        now = time.time_ns()
         del pnode.children[name]
         if node.is_dir:
             node.nlink = 0
             pnode.nlink -= 1
         else:
             node.nlink -= 1
-        node.ctime = pnode.mtime = pnode.ctime = now
+        node.tick()
+        pnode.tick(mtime=True)
         self._touch(pnode)
         self._touch(node)
         entries = [R.unlink(parent, name)]
@@ -463,7 +507,6 @@ class Filesystem:
                 raise FsError(errno.ENOTEMPTY)
         self._room(R.INODE.size * 4 + 2 * (R.LINK.size + R.UNLINK.size) + len(old_name)
                    + len(new_name) + R.FREE.size + 32)
-        now = time.time_ns()
         entries: list[bytes] = []
         freeing: list[int] = []
         if exchange:
@@ -476,7 +519,7 @@ class Filesystem:
                         moved.parent = to.ino
                         to.nlink += 1
                         frm.nlink -= 1
-            dst.ctime = now
+            dst.tick()
             self._touch(dst)
         else:
             if dst is not None:
@@ -485,7 +528,7 @@ class Filesystem:
                     np_.nlink -= 1
                 else:
                     dst.nlink -= 1
-                dst.ctime = now
+                dst.tick()
                 self._touch(dst)
                 freed = self._free_if_unused(dst)
                 if freed:
@@ -498,8 +541,10 @@ class Filesystem:
                 src.parent = new_parent
                 np_.nlink += 1
                 op.nlink -= 1
-        src.ctime = now
-        op.mtime = op.ctime = np_.mtime = np_.ctime = now
+        src.tick()
+        op.tick(mtime=True)
+        if np_ is not op:
+            np_.tick(mtime=True)
         self._touch(src)
         self._touch(op)
         self._touch(np_)
@@ -514,10 +559,18 @@ class Filesystem:
 
     def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime: int | None = None,
-                mtime: int | None = None) -> Inode:
+                mtime: int | None = None, atime_now: bool = False, mtime_now: bool = False
+                ) -> Inode:
+        """Change attributes. A time given is stored as given (utimensat with a value: it may
+        go back, as on ext4); ``*_now`` (UTIME_NOW, touch) takes this inode's next tick
+        instead of the kernel's time, so that it never goes before the last change. A new
+        mode rewrites the access ACL's owner, group (or mask) and other entries to match.
+        Setuid and setgid on chown and truncate are the kernel's to clear: it sends the
+        mode it wants along (HANDLE_KILLPRIV is not negotiated)."""
         node = self.node(ino)
-        self._room(R.INODE.size + R.TRUNC.size)
-        now = time.time_ns()
+        acl_value = node.xattrs.get(A.ACCESS) if self.posix_acl and mode is not None else None
+        self._room(R.INODE.size + R.TRUNC.size
+                   + (R.XSET.size + len(A.ACCESS) + len(acl_value) + 8 if acl_value else 0))
         if size is not None and size != node.size:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
@@ -526,16 +579,43 @@ class Filesystem:
             self.truncate(node, size)
         if mode is not None:
             node.mode = stat.S_IFMT(node.mode) | (mode & 0o7777)
+            if acl_value is not None:
+                acl = A.chmod(A.parse(acl_value), node.mode)
+                value = A.encode(acl)
+                node.xattrs[A.ACCESS] = value
+                self._map_change(node, R.xset(ino, A.ACCESS, value))
         if uid is not None:
             node.uid = uid
         if gid is not None:
             node.gid = gid
-        if atime is not None:
+        now = node.tick()
+        if atime_now:
+            node.atime = now
+        elif atime is not None:
             node.atime = atime
-        if mtime is not None:
+        if mtime_now:
+            node.mtime = now
+        elif mtime is not None:
             node.mtime = mtime
-        node.ctime = now
         self._touch(node)
+        return node
+
+    def open_truncate(self, ino: int, caller: Caller) -> Inode:
+        """open(O_TRUNC): the kernel sends no setattr (atomic O_TRUNC), so what its truncate
+        does is done here: size 0, new mtime, and setuid/setgid cleared as a write by the
+        caller would clear them (should_remove_suid)."""
+        node = self.node(ino)
+        self._room(R.INODE.size + R.TRUNC.size)
+        if node.is_reg and node.mode & (stat.S_ISUID | stat.S_ISGID) and not caller.capable_fsetid():
+            kill = stat.S_ISUID
+            if node.mode & stat.S_IXGRP or not caller.in_group_or_capable(node.gid):
+                kill |= stat.S_ISGID
+            node.mode &= ~kill
+        if node.size:
+            self.truncate(node, 0)
+        else:
+            node.tick(mtime=True)
+            self._touch(node)
         return node
 
     def truncate(self, node: Inode, size: int) -> None:
@@ -560,7 +640,7 @@ class Filesystem:
                 self.alloc.defer(runs)
                 self._map_change(node, R.trunc(node.ino, first))
         node.size = size
-        node.mtime = node.ctime = time.time_ns()
+        node.tick(mtime=True)
         self._touch(node)
 
     def _zero_tail(self, node: Inode, old_size: int, upto: int) -> None:
@@ -578,16 +658,49 @@ class Filesystem:
 
     # ---------------------------------------------------------------- xattrs
 
-    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+    def setxattr(self, ino: int, name: bytes, value: bytes, caller: Caller | None = None) -> None:
         node = self.node(ino)
         if len(name) > 255:
             raise FsError(errno.ERANGE)
         if len(value) > 65536:
             raise FsError(errno.E2BIG)
+        if name in A.NAMES and self.posix_acl:
+            self._set_acl(node, name, value, caller or ROOT)
+            return
         self._new_inode_room(R.XSET.size + len(name) + len(value) + R.INODE.size + 8)
         node.xattrs[name] = value
-        node.ctime = time.time_ns()
+        node.tick()
         self._map_change(node, R.xset(ino, name, value))
+
+    def _set_acl(self, node: Inode, name: bytes, value: bytes, caller: Caller) -> None:
+        """An ACL set as ext4 sets it (ext4_set_acl, posix_acl_update_mode): an access ACL
+        gives the mode its permission bits, and is not kept when it says no more than they
+        do; setgid is cleared unless the caller is in the file's group or has CAP_FSETID.
+        The mode and the ACL go into one log record."""
+        if not A.applies_to(node.mode):
+            raise FsError(errno.EOPNOTSUPP)
+        acl = A.parse(value)
+        if name == A.DEFAULT and not node.is_dir:
+            if acl:
+                raise FsError(errno.EACCES)  # as set_posix_acl answers
+            return
+        self._new_inode_room(R.XSET.size + len(name) + len(value) + R.INODE.size + 8)
+        keep: bytes | None = A.encode(acl) if acl else None
+        if name == A.ACCESS and acl:
+            equivalent, mode = A.equiv_mode(acl, node.mode)
+            if not caller.in_group_or_capable(node.gid):
+                mode &= ~stat.S_ISGID
+            node.mode = mode
+            if equivalent:
+                keep = None
+        if keep is not None:
+            node.xattrs[name] = keep
+            self._map_change(node, R.xset(node.ino, name, keep))
+        elif name in node.xattrs:
+            del node.xattrs[name]
+            self._map_change(node, R.xdel(node.ino, name))
+        node.tick()
+        self._touch(node)
 
     def getxattr(self, ino: int, name: bytes) -> bytes | None:
         """The value, or None when the inode has no such attribute (ENODATA to the caller:
@@ -600,7 +713,7 @@ class Filesystem:
             raise FsError(errno.ENODATA)
         self._room(R.XDEL.size + len(name) + R.INODE.size + 8)
         del node.xattrs[name]
-        node.ctime = time.time_ns()
+        node.tick()
         self._map_change(node, R.xdel(ino, name))
 
     # ---------------------------------------------------------------- open files
@@ -696,7 +809,10 @@ class Filesystem:
             self._write_slow(node, off, data)
         if end > node.size:
             node.size = end
-        node.mtime = node.ctime = time.time_ns()
+        now = time.time_ns()
+        if now <= node.ctime:  # Inode.tick, inline: this is the write path
+            now = node.ctime + 1
+        node.mtime = node.ctime = now
         if node.dirty is None:
             self._touch(node)
         return n

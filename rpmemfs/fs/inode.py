@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+import time
 
 from rpmemfs.fs import records as R
 from rpmemfs.pool.layout import BLOCK_SHIFT
@@ -36,6 +37,22 @@ class Inode:
         self.opens = 0
         # Map changes not yet in the log, in order; None when only attributes are dirty.
         self.dirty: list[bytes] | None = None
+
+    def tick(self, mtime: bool = False) -> int:
+        """Advance ctime (and mtime with it when asked) to now, and return it.
+
+        Some times come from the kernel's clock (utimensat with given times), which is
+        coarser than this one and may be behind it, and the wall clock may be set back: a
+        change still never takes ctime back nor leaves it unchanged, and an mtime set here
+        is never before one set here earlier, as both come after the last ctime.
+        """
+        now = time.time_ns()
+        if now <= self.ctime:
+            now = self.ctime + 1
+        self.ctime = now
+        if mtime:
+            self.mtime = now
+        return now
 
     @property
     def is_dir(self) -> bool:

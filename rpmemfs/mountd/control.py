@@ -293,3 +293,35 @@ def _wait_exit(pid: int, timeout: float) -> None:
             raise OSError(f"the daemon (pid {pid}) has not exited {timeout:g} s after closing its pool")
     finally:
         os.close(fd)
+
+
+async def with_progress(total: int, send: Send,
+                        work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``work`` while progress lines go to the asker twice a second.
+
+    The work is the daemon's once started: an asker that goes away (killed, say) only
+    stops the lines, and the work runs to its end. Cancelling it halfway would lose the
+    replica's connection in the middle of a request (transport/conn.py) with the replica
+    still counted in sync; only the end of the mount cancels it (the mount daemon's _sync)."""
+    done = [0]
+    finished = trio.Event()
+
+    def count(n: int) -> None:
+        done[0] += n
+
+    async def ticker() -> None:
+        # Sends are never cancelled (a half line would garble the answer after it), so
+        # this ends between them, when the work has.
+        while not send.gone:
+            with trio.move_on_after(0.5):
+                await finished.wait()
+            if finished.is_set():
+                return
+            await send({"progress": done[0], "total": total})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        try:
+            return await work(count)
+        finally:
+            finished.set()

@@ -8,7 +8,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -140,6 +140,7 @@ class Mounted:
             "poll_us": self.ops.poller.budget_us,
             "poll_passes": self.ops.poller.polls,
             "poll_yielded": self.ops.poller.yielded,
+            "getxattr_calls": self.ops.getxattr_calls,
             "log": {"area": fs.log.active, "generation": fs.log.gen, "used": fs.log.used,
                     "capacity": fs.log.capacity, "records_appended": fs.log.records,
                     "checkpoints": fs.log.checkpoints},
@@ -273,6 +274,24 @@ class Mounted:
                                      self.mo.replica_timeout, self.table_token_file,
                                      self._set_min_replicas, self.mo.min_replicas is None)
 
+    def reload_token(self) -> None:
+        """SIGHUP: read the token file again, for every connection to a target from now on
+        (reconnects, resyncs, replicas added); connections open now keep the token they
+        proved. Without a token file each connection reads its user's local token anyway."""
+        if not self.token_file:
+            log.info("SIGHUP: no token file: connections use the local token as it is when they open")
+            return
+        try:
+            token = read_token_file(self.token_file)
+        except (TokenError, OSError) as e:
+            log.error("SIGHUP: token file %s not reread, the token in use stays: %s", self.token_file, e)
+            return
+        if self.replicas is not None:
+            self.replicas.token = token
+        if self.membership is not None:
+            self.membership.token = token
+        log.info("SIGHUP: token file %s reread", self.token_file)
+
     def _set_min_replicas(self, n: int) -> None:
         assert self.replicas is not None  # (membership exists only with replicas)
         self.min_replicas = self.replicas.min_replicas = n
@@ -309,38 +328,6 @@ class Mounted:
         return {"flushed": self.mountpoint, "seconds": round(time.monotonic() - t0, 6),
                 "replicas": len(self.specs), "in_sync": len(rs.in_sync) if rs is not None else 0}
 
-    async def _with_progress(self, total: int, send: control.Send,
-                             work: Callable[[Callable[[int], None]], Awaitable[dict[str, Any]]]
-                             ) -> dict[str, Any]:
-        """Run ``work`` while progress lines go to the asker twice a second.
-
-        The work is the daemon's once started: an asker that goes away (killed, say) only
-        stops the lines, and the work runs to its end. Cancelling it halfway would lose the
-        replica's connection in the middle of a request (transport/conn.py) with the replica
-        still counted in sync; only the end of the mount cancels it (see _sync)."""
-        done = [0]
-        finished = trio.Event()
-
-        def count(n: int) -> None:
-            done[0] += n
-
-        async def ticker() -> None:
-            # Sends are never cancelled (a half line would garble the answer after it), so
-            # this ends between them, when the work has.
-            while not send.gone:
-                with trio.move_on_after(0.5):
-                    await finished.wait()
-                if finished.is_set():
-                    return
-                await send({"progress": done[0], "total": total})
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker)
-            try:
-                return await work(count)
-            finally:
-                finished.set()
-
     async def _verify(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs verify MOUNTPOINT`: the live pool against every replica."""
         rs = self.replicas
@@ -360,7 +347,7 @@ class Mounted:
             report.seconds = time.monotonic() - t0
             return report.as_dict()
 
-        return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
+        return await control.with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
 
     async def _sync(self, args: list[str], send: control.Send) -> dict[str, Any]:
         """`rpmemfs sync MOUNTPOINT`: verify-and-repair of every in-sync replica now; the
@@ -407,7 +394,7 @@ class Mounted:
                     "seconds": round(time.monotonic() - t0, 3), "replicas": results,
                     "clean": all("error" not in e for e in results)}
 
-        return await self._with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
+        return await control.with_progress(content_size(self.mapping.buf) * len(rs.replicas), send, work)
 
     async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
         await self.connect_replicas()
@@ -417,7 +404,7 @@ class Mounted:
         self.start()
         ready()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ending.signals, pyfuse3.terminate)
+            nursery.start_soon(ending.signals, pyfuse3.terminate, self.reload_token)
             nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
             nursery.start_soon(self.ops.poller.run)
             if self.replicas is not None:

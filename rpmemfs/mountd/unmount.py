@@ -149,16 +149,21 @@ class Ending:
         log.info("unmounted %s on request; closing the pool", self.mountpoint)
         return {"unmounting": True, "pid": os.getpid()}
 
-    async def signals(self, terminate: Callable[[], None]) -> None:
-        """SIGTERM, SIGINT or SIGHUP detaches the mount lazily: no new open reaches it, files
-        open there keep working until closed, and the FUSE loop ends with the last of them (at
+    async def signals(self, terminate: Callable[[], None], reload: Callable[[], None] = lambda: None
+                      ) -> None:
+        """SIGTERM or SIGINT detaches the mount lazily: no new open reaches it, files open
+        there keep working until closed, and the FUSE loop ends with the last of them (at
         once if none is open). A second one calls ``terminate`` (it ends the FUSE loop once
         the requests under way are answered, a durability point among them): files still open
-        then get ENOTCONN."""
+        then get ENOTCONN. SIGHUP calls ``reload`` (the token file is read again), as daemons
+        do and as systemd's ExecReload sends it."""
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             stopping = False
             async for sig in sigs:
                 name = signal.Signals(sig).name
+                if sig == signal.SIGHUP:
+                    reload()
+                    continue
                 if not stopping:
                     stopping = True
                     try:

@@ -94,6 +94,7 @@ class ReplicaSet(Barriers):
         self._keepers: trio.Nursery | None = None
         self._keeper_scopes: dict[int, trio.CancelScope] = {}  # id(replica) -> its keeper's scope
         self._on_change: Callable[[], None] = lambda: None
+        self.token: bytes | None = None  # what connections to the targets prove (set by open)
 
     create_remote = staticmethod(create_remote)
 
@@ -137,9 +138,12 @@ class ReplicaSet(Barriers):
         # claim as usual (the replicas then hold this set's own epoch).
         opening = [takeover]
 
+        self.token = token
+
         async def connect(replica: Replica) -> tuple[Session, RemoteRegion]:
             tp = transport or transport_for(replica.spec.transport)
-            return await open_session(replica, tp, len(local_buf), uuid, token, lanes, epoch,
+            # self.token, not token: the mount rereads its token file on SIGHUP.
+            return await open_session(replica, tp, len(local_buf), uuid, self.token, lanes, epoch,
                                       self.timeout, holder, opening[0])
 
         self._connect = connect

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rpmemfs.latency import BOUNDS_S, bucket_quantile
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.tcp import connect
 from rpmemfs.units import human
@@ -38,9 +39,17 @@ def _when(ts: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
+def _latency(bound: float | None) -> str:
+    if bound is None:
+        return "-"
+    if bound == float("inf"):
+        return f"> {BOUNDS_S[-1]:g} s"
+    return f"<= {bound * 1e6:g} us" if bound < 1e-3 else f"<= {bound * 1e3:g} ms"
+
+
 def format_pools(address: str, pools: dict[str, Any]) -> str:
     rows = [("pool", "size", "owner epoch", "owner", "since", "writer", "sessions", "last activity",
-             "resync")]
+             "persisted", "persist p99", "resync")]
     for name, p in pools.items():
         owner = p.get("owner") or {}
         holder = owner.get("holder") or {}
@@ -51,7 +60,8 @@ def format_pools(address: str, pools: dict[str, Any]) -> str:
             who += f" {holder['pool']}"
         rows.append((name, human(int(p.get("size", 0))), owner.get("epoch_shown", "-"), who,
                      _when(owner.get("since")), p.get("writer") or "-", str(len(p.get("sessions", []))),
-                     _when(p.get("last_activity")),
+                     _when(p.get("last_activity")), human(int(p.get("persisted_bytes") or 0)),
+                     _latency(bucket_quantile(p.get("persist_buckets") or [], 0.99)),
                      f"UNFINISHED since {_when(owner['resync'].get('since'))}"
                      if owner.get("resync") else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -16,12 +16,20 @@ handshake deadline (server.py). The caps must never starve a client that holds t
 
 The newest connection is always let in to try (as OpenSSH's MaxStartups drops early): a
 legitimate client retrying gets its chance, while old idle handshakes are what is dropped.
+
+Failed proofs are throttled per peer address (``FailedProofs``): the target answers a failed
+proof only after a delay that doubles with each recent failure from that address (up to
+``MAX_FAILURE_DELAY``), holding the handshake slot meanwhile. With the per-peer cap, a peer
+learns at most ``max_per_peer / MAX_FAILURE_DELAY`` guesses a second, and a newer connection
+pushing out a waiting one loses that guess's answer. A client that holds the token is never
+delayed, even from an address that fails often (loopback is shared by every local user).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -32,6 +40,32 @@ DEFAULT_MAX_HANDSHAKES = 64
 DEFAULT_MAX_HANDSHAKES_PER_PEER = 8
 MAX_HANDSHAKE_TIMEOUT = 2.0
 DROP_LOG_INTERVAL = 10.0  # seconds between lines about connections pushed out
+FIRST_FAILURE_DELAY = 0.05
+MAX_FAILURE_DELAY = 1.5  # below the handshake deadline, so the peer hears why
+FAILURE_MEMORY = 60.0  # seconds after a peer's last failure that it is forgotten
+MAX_FAILING_PEERS = 4096  # addresses remembered; the longest quiet is forgotten first
+
+
+class FailedProofs:
+    """Recent failed proofs per peer address, and the delay before answering the next one."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._peers: dict[str, tuple[int, float]] = {}  # peer -> (failures, time of the last)
+        self.total = 0
+
+    def failed(self, peer: str) -> float:
+        """Count a failure from ``peer``; the seconds to wait before telling it."""
+        now = self._clock()
+        count, last = self._peers.pop(peer, (0, now))
+        if now - last > FAILURE_MEMORY:
+            count = 0
+        count += 1
+        self._peers[peer] = (count, now)  # re-inserted: dict order is least recent first
+        if len(self._peers) > MAX_FAILING_PEERS:
+            del self._peers[next(iter(self._peers))]
+        self.total += 1
+        return float(min(FIRST_FAILURE_DELAY * 2.0 ** (count - 1), MAX_FAILURE_DELAY))
 
 
 @dataclass(eq=False)

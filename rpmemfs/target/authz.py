@@ -80,6 +80,10 @@ class TokenBook:
     def grants(self) -> Iterable[Grant]:
         return (g for _, g in self._by_id.values())
 
+    def replace_with(self, other: TokenBook) -> None:
+        """Accept ``other``'s tokens from now on (a reload); sessions already open keep theirs."""
+        self._by_id = dict(other._by_id)
+
 
 def read_authz(path: str, book: TokenBook) -> None:
     """Add the tokens listed in ``path`` to ``book``; AuthzError naming the line if one is wrong."""

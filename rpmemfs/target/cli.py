@@ -151,12 +151,16 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     if args.idle_timeout < 0:
         raise StartError("--idle-timeout must be 0 (never) or positive")
     pool_dir = os.path.realpath(args.pool_dir)
-    book = TokenBook()
-    try:
-        check_pool_dir(pool_dir, args.pool_dir)
+    def load_tokens() -> TokenBook:
+        book = TokenBook()
         book.add(_own_token(args), Grant(DEFAULT_NAME, admin=True))
         if args.authz:
             read_authz(args.authz, book)
+        return book
+
+    try:
+        check_pool_dir(pool_dir, args.pool_dir)
+        book = load_tokens()
     except (TokenError, AuthzError, PoolDirError) as exc:
         raise StartError(str(exc)) from None
     store = PoolStore(pool_dir, args.pmem, max_pool)
@@ -179,6 +183,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         rdma=args.rdma == "auto", max_handshakes=args.max_handshakes,
         max_handshakes_per_peer=args.max_handshakes_per_peer, metrics=args.metrics,
         protect=args.wire_protection == "aead",
+        load_tokens=load_tokens,
     )
     return config, store
 

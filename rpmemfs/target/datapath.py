@@ -19,20 +19,25 @@ import json
 import logging
 import math
 import os
+from functools import partial
 
 import trio
 
 from rpmemfs.native import lib
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.lane_native import NativeLane
-from rpmemfs.target.pools import Pool
+from rpmemfs.target.pools import Pool, merge_ranges
 from rpmemfs.target.sessions import Region, TargetSession
 from rpmemfs.transport.sockio import SockIO
-from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all
+from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed, send_all
 from rpmemfs.transport.wire import (
     ATOMIC_SIZE,
     F_CLOSE,
     F_FLUSH,
+    FLUSH_COUNT,
+    FLUSH_COUNT_SIZE,
+    FLUSH_RANGE,
+    FLUSH_RANGE_SIZE,
     HEADER_SIZE,
     MAX_CONTROL,
     MAX_READ,
@@ -44,7 +49,6 @@ from rpmemfs.transport.wire import (
     Role,
     SendKind,
     WireError,
-    decode_flush,
     error_text,
     pack_header,
     unpack_header,
@@ -56,6 +60,8 @@ log = logging.getLogger("rpmemfs.target.datapath")
 # answered; past this many pending ranges they are written back early to bound the list.
 MAX_DIRTY = 1024
 ERROR_SEND_TIMEOUT = 1.0
+# A flush's range list is read this many ranges at a time (what the staging buffer holds).
+FLUSH_CHUNK_RANGES = STAGING_SIZE // FLUSH_RANGE_SIZE
 
 
 def _sec_reason() -> str:
@@ -307,29 +313,55 @@ class FrameLoop:
             pool.release()
 
     async def _flush_pool(self, frame: Frame, region: Region, pool: Pool) -> None:
-        ranges = decode_flush(await self._payload(frame, MAX_SEND))
-        for off, length in ranges:
-            if off + length > region.size:
-                raise Violation(
-                    Code.OUT_OF_BOUNDS,
-                    f"flush range ({off}, {length}) is outside pool {pool.name!r} of {region.size} bytes",
-                )
-        try:
-            if pool.needs_thread(ranges):
-                self._io.arm(math.inf)  # a slow disk is not a stalled peer
+        # The range list is read and persisted a staging buffer at a time as it arrives, so
+        # what a flush costs the target in memory never depends on what its header claims,
+        # and each piece is bounds-checked before any of it is persisted.
+        if frame.length > MAX_SEND:
+            raise Violation(Code.TOO_LARGE, f"SEND of {frame.length} bytes exceeds the limit of {MAX_SEND}")
+        reader = self._reader
+        await reader.fill(FLUSH_COUNT_SIZE)
+        (count,) = FLUSH_COUNT.unpack(reader.take(FLUSH_COUNT_SIZE))
+        if frame.length != FLUSH_COUNT_SIZE + count * FLUSH_RANGE_SIZE:
+            raise Violation(
+                Code.BAD_FRAME,
+                f"flush message of {frame.length} bytes does not hold the {count} ranges it claims",
+            )
+        failed: OSError | None = None
+        left = count
+        while left:
+            n = min(left, FLUSH_CHUNK_RANGES)
+            await reader.fill(n * FLUSH_RANGE_SIZE)
+            ranges = list(FLUSH_RANGE.iter_unpack(reader.take(n * FLUSH_RANGE_SIZE)))
+            left -= n
+            for off, length in ranges:
+                if off + length > region.size:
+                    raise Violation(
+                        Code.OUT_OF_BOUNDS,
+                        f"flush range ({off}, {length}) is outside pool {pool.name!r} of {region.size} bytes",
+                    )
+            if failed is None:
                 try:
-                    await trio.to_thread.run_sync(pool.persist, ranges)
-                finally:
-                    self._frame_phase()
-            else:
-                pool.persist(ranges)
-        except OSError as exc:
-            # The stream is intact; the initiator learns this flush failed and may go on.
-            log.error("peer %s: persisting pool %s failed: %s", self._peer, pool.name, exc)
-            await self._error(frame.id, Code.IO, f"persist failed on the target: {exc}", close=False)
+                    await self._persist_ranges(pool, ranges)
+                except OSError as exc:
+                    failed = exc  # the rest of the list is still read: the stream stays intact
+        if failed is not None:
+            # The initiator learns this flush failed and may go on.
+            log.error("peer %s: persisting pool %s failed: %s", self._peer, pool.name, failed)
+            await self._error(frame.id, Code.IO, f"persist failed on the target: {failed}", close=False)
             return
         pool.counters.add("flushes")
         await self._reply(Op.SEND_REPLY, frame.id, b"")
+
+    async def _persist_ranges(self, pool: Pool, ranges: list[tuple[int, int]]) -> None:
+        merged = merge_ranges(ranges)
+        if pool.needs_thread(merged):
+            self._io.arm(math.inf)  # a slow disk is not a stalled peer
+            try:
+                await trio.to_thread.run_sync(partial(pool.persist, merged, counted=len(ranges)))
+            finally:
+                self._frame_phase()
+        else:
+            pool.persist(merged, counted=len(ranges))
 
     async def _control_request(self, frame: Frame) -> None:
         payload = await self._payload(frame, MAX_CONTROL)

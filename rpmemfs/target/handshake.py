@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -108,11 +109,14 @@ async def accept(
     book: TokenBook,
     sessions: SessionTable,
     info: dict[str, Any],
+    before_auth_failure: Callable[[], Awaitable[None]] | None = None,
+    *,
     protect: bool = True,
 ) -> tuple[Role, TargetSession]:
     """Run the handshake (under the caller's deadline); HandshakeRefused says why it failed.
 
-    The peer has been told the reason when this raises HandshakeRefused.
+    The peer has been told the reason when this raises HandshakeRefused; a failed proof (or
+    an unknown token) is told only after ``before_auth_failure`` returns: the throttle.
     """
     try:
         try:
@@ -146,10 +150,14 @@ async def accept(
             # once it has sent its AUTH.
             sock.protect(cipher, keys.target_to_initiator, keys.initiator_to_target)
     except WireError as exc:
+        if exc.code == Code.AUTH_FAILED and before_auth_failure is not None:
+            await before_auth_failure()
         await refuse(sock, exc.code, exc.reason)
         raise HandshakeRefused(exc.code, exc.reason) from None
     if not auth.same(answer, auth.initiator_proof(keys, transcript)):
         reason = "authentication failed: the initiator does not hold the token it named"
+        if before_auth_failure is not None:
+            await before_auth_failure()
         await refuse(sock, Code.AUTH_FAILED, reason)
         raise HandshakeRefused(Code.AUTH_FAILED, f"{reason} ({grant.name!r})")
     if found is not None:

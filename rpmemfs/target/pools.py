@@ -6,8 +6,10 @@ import logging
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
+from rpmemfs.latency import BOUNDS_S, Snapshot
 from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import find_header
@@ -19,9 +21,24 @@ from rpmemfs.units import human
 log = logging.getLogger("rpmemfs.target.pools")
 
 PAGE = 4096
-# msync persists of more than this run in a worker thread, so one initiator's large flush on
-# a slow disk does not stall every other connection; smaller ones are not worth the hop.
+# Persists of more than this run in a worker thread, so one initiator's large flush does not
+# stall every other connection; smaller ones are not worth the hop. msync on a slow disk
+# costs far more per byte than writing back cache lines, hence two bounds.
 THREAD_PERSIST_MIN = 1 << 20
+THREAD_FLUSH_MIN = 16 << 20
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The same bytes as ``ranges``, sorted, empty ones dropped, overlapping or touching ones
+    joined: a flush list that names one region many times costs one write-back of it."""
+    out: list[tuple[int, int]] = []
+    for off, length in sorted(r for r in ranges if r[1]):
+        if out and off <= out[-1][0] + out[-1][1]:
+            start, prev = out[-1]
+            out[-1] = (start, max(prev, off + length - start))
+        else:
+            out.append((off, length))
+    return out
 
 
 class PoolError(TargetError):
@@ -32,10 +49,15 @@ class PoolError(TargetError):
         self.code = code
 
 
+# The lanes' C loops count persist latencies in the buckets of the daemon's histograms.
+lib.rpm_persist_bounds([round(b * 1e9) for b in BOUNDS_S], len(BOUNDS_S))
+
+
 class PoolCounters:
     """What initiators did to one pool, kept in C memory: the lanes' C threads count too."""
 
-    FIELDS = ("writes", "bytes", "flushes", "reads", "atomics", "persisted_ranges")
+    FIELDS = ("writes", "bytes", "flushes", "reads", "atomics", "persisted_ranges", "persisted_bytes",
+              "persists", "persist_ns")
 
     def __init__(self) -> None:
         self.c: Any = ffi.new("struct rpm_counters *")
@@ -43,8 +65,22 @@ class PoolCounters:
     def add(self, field: str, n: int = 1) -> None:
         lib.rpm_count(ffi.addressof(self.c[0], field), n)
 
-    def as_dict(self) -> dict[str, int]:
-        return {f: int(getattr(self.c, f)) for f in self.FIELDS}
+    def persisted(self, ns: int, nbytes: int) -> None:
+        lib.rpm_count_persist(self.c, ns, nbytes)
+
+    def persist_latency(self) -> Snapshot:
+        """Flushes' write-backs (general-purpose method; under apm each write is written back
+        as it is placed and there is no separate persist to time)."""
+        total, cumulative = 0, []
+        for i in range(len(BOUNDS_S) + 1):
+            total += int(self.c.persist_hist[i])
+            cumulative.append(total)
+        return Snapshot(tuple(cumulative), int(self.c.persist_ns) / 1e9, int(self.c.persists))
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f: int(getattr(self.c, f)) for f in self.FIELDS}
+        out["persist_buckets"] = list(self.persist_latency().buckets)
+        return out
 
 
 class Pool:
@@ -85,11 +121,18 @@ class Pool:
         return find_header(self.buf)
 
     def needs_thread(self, ranges: list[tuple[int, int]]) -> bool:
-        return not self.mapping.is_pmem and sum(length for _, length in ranges) > THREAD_PERSIST_MIN
+        """Whether persisting these (merged) ranges is long enough for a worker thread."""
+        bound = THREAD_FLUSH_MIN if self.mapping.is_pmem else THREAD_PERSIST_MIN
+        return sum(length for _, length in ranges) > bound
 
-    def persist(self, ranges: list[tuple[int, int]]) -> None:
-        self.mapping.persist(ranges)
-        self.counters.add("persisted_ranges", len(ranges))
+    def persist(self, ranges: list[tuple[int, int]], *, counted: int | None = None) -> None:
+        """Persist ``ranges`` (merged first); ``counted`` is how many ranges the initiator
+        named, when the caller merged them already."""
+        merged = merge_ranges(ranges)
+        started = time.monotonic_ns()
+        self.mapping.persist(merged)
+        self.counters.persisted(time.monotonic_ns() - started, sum(length for _, length in merged))
+        self.counters.add("persisted_ranges", len(ranges) if counted is None else counted)
 
     def acquire(self) -> None:
         self.users += 1

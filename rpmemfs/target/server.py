@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -18,9 +19,10 @@ from rpmemfs.target.admission import (
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_PEER,
     Admission,
+    FailedProofs,
     Handshake,
 )
-from rpmemfs.target.authz import TokenBook
+from rpmemfs.target.authz import AuthzError, TokenBook
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.datapath import FrameLoop
 from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
@@ -30,6 +32,7 @@ from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport.address import format_address
 from rpmemfs.transport.sockio import SockIO, tune
 from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed
+from rpmemfs.transport.tokens import TokenError
 from rpmemfs.transport.wire import VERSION, Code, Role
 
 log = logging.getLogger("rpmemfs.target")
@@ -58,6 +61,8 @@ class TargetConfig:
     max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
     metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
     protect: bool = True  # TCP traffic sealed (docs/wire.md); False: --wire-protection none
+    # Reads the token files again (SIGHUP); raises AuthzError/TokenError/OSError when one is wrong.
+    load_tokens: Callable[[], TokenBook] | None = None
 
 
 async def listen(host: str, port: int) -> socket.socket:
@@ -91,12 +96,14 @@ class Server:
         self.control = ControlService(store, self.sessions, config.method, self.info)
         self.admission = Admission(config.max_connections, config.max_handshakes,
                                    config.max_handshakes_per_peer)
+        self.failed_proofs = FailedProofs()
         self._full_logged = 0.0
 
     async def run(self, listener: socket.socket) -> None:
-        """Serve until SIGTERM or SIGINT; then close every connection and every pool."""
+        """Serve until SIGTERM or SIGINT; then close every connection and every pool. SIGHUP
+        reads the token files again."""
         try:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 stop_metrics = self._serve_metrics()
                 # Announced only now, so whoever waits for the line may signal us right away.
                 address = announce(listener)
@@ -138,7 +145,8 @@ class Server:
         """What the metrics show, taken on the trio thread in one go."""
         return {"sessions": len(self.sessions), "connections": self.admission.authenticated,
                 "handshakes": self.admission.handshakes,
-                "handshakes_dropped": self.admission.dropped, "pools": self.control.listing()}
+                "handshakes_dropped": self.admission.dropped,
+                "failed_proofs": self.failed_proofs.total, "pools": self.control.listing()}
 
     def _start_verbs(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         """Serve verbs on the same address and port number (rdmacm's port space is its own)."""
@@ -153,9 +161,27 @@ class Server:
 
     async def _stop_on_signal(self, signals: Any, scope: trio.CancelScope) -> None:
         async for signum in signals:
+            if signum == signal.SIGHUP:
+                self.reload_tokens()
+                continue
             log.info("received %s: stopping", signal.Signals(signum).name)
             scope.cancel()
             return
+
+    def reload_tokens(self) -> None:
+        """Accept the tokens the files name now: rotation without a restart. A wrong file
+        changes nothing (the error is logged); open sessions keep the token they proved."""
+        if self.config.load_tokens is None:
+            return
+        try:
+            book = self.config.load_tokens()
+        except (AuthzError, TokenError, OSError) as exc:
+            log.error("SIGHUP: tokens not reread, the ones in use stay: %s", exc)
+            notify("STATUS=token reload failed; the previous tokens stay in use")
+            return
+        self.config.tokens.replace_with(book)
+        log.info("SIGHUP: tokens reread: %s", ", ".join(
+            f"{g.name} ({'admin' if g.admin else 'pools'})" for g in book.grants()))
 
     async def _accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         while True:
@@ -195,6 +221,9 @@ class Server:
             io.close()
             self.admission.end_handshake(hs)  # (nothing, once it authenticated)
 
+    async def _throttle(self, host: str) -> None:
+        await trio.sleep(self.failed_proofs.failed(host))
+
     async def _serve(self, sock: SockIO, peer: str, host: str, hs: Handshake) -> None:
         cfg = self.config
         tune(sock.sock)
@@ -203,7 +232,7 @@ class Server:
         try:
             with hs.scope, trio.fail_after(cfg.handshake_timeout):
                 role, session = await accept(sock, reader, peer, cfg.tokens, self.sessions, self.info,
-                                             cfg.protect)
+                                             partial(self._throttle, host), protect=cfg.protect)
             if hs.dropped:
                 # Pushed out by newer connections over the caps (admission.py); counted and
                 # reported there, in one line for many.

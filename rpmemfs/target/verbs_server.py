@@ -25,11 +25,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
 
 from rpmemfs.native import ffi
+from rpmemfs.target.pools import merge_ranges
 from rpmemfs.target.sessions import SessionTable, TargetSession
 
 log = logging.getLogger("rpmemfs.target.verbs")
@@ -349,10 +351,11 @@ class VerbsService:
         pool = region.pool
         pool.acquire()
         try:
-            if pool.needs_thread(request.ranges):
-                await trio.to_thread.run_sync(pool.persist, request.ranges)
+            merged = merge_ranges(request.ranges)
+            if pool.needs_thread(merged):
+                await trio.to_thread.run_sync(partial(pool.persist, merged, counted=len(request.ranges)))
             else:
-                pool.persist(request.ranges)
+                pool.persist(merged, counted=len(request.ranges))
         except OSError as exc:
             log.error("verbs: persisting pool %s failed: %s", pool.name, exc)
             return request.seq, exc.errno or errno.EIO, f"persist failed on the target: {exc}".encode()[:1000]

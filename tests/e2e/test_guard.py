@@ -157,7 +157,7 @@ def test_a_weak_token_file_is_refused_at_start(scratch: Path, content: bytes, mo
     assert why in _start_fails(scratch / "pools", token_file=token)
     # ... and by the commands that read it, as by a mount.
     res = cli("pools", "127.0.0.1:1", "--token-file", token)
-    assert res.returncode == 1 and why in res.stderr, describe(res)
+    assert res.returncode == 3 and why in res.stderr, describe(res)  # 3: no answer
 
 
 def test_token_new_makes_a_private_256_bit_token_the_target_accepts(scratch: Path) -> None:
@@ -173,7 +173,7 @@ def test_token_new_makes_a_private_256_bit_token_the_target_accepts(scratch: Pat
         res = cli("pools", t.address, "--token-file", path)
         assert res.returncode == 0 and "0 pools" in res.stdout, describe(res)
         res = cli("pools", t.address)  # the test run's generated token (if any) is not this target's
-        assert res.returncode == 1, describe(res)
+        assert res.returncode == 3, describe(res)
         assert "not one this target accepts" in res.stderr or "no token" in res.stderr, describe(res)
     finally:
         t.close()

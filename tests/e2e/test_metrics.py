@@ -100,6 +100,15 @@ def test_mount_and_target_metrics_pass_promtool_and_say_what_happened(
         assert _value(ttext, "rpmemfs_target_sessions") == 1
         assert _value(ttext, "rpmemfs_target_written_bytes_total", pool="app") >= 90000
         assert _value(ttext, "rpmemfs_target_pool_unfinished_resync", pool="app") == 0
+        # Every fsync's flush was written back by the target (in the lanes' C loops) and timed.
+        assert _value(ttext, "rpmemfs_target_persist_seconds_count", pool="app") >= 10
+        assert _value(ttext, "rpmemfs_target_persisted_bytes_total", pool="app") >= 90000
+    # The same on the target's listing.
+    listing = cli("pools", targets[0].address)
+    assert listing.returncode == 0, listing.stderr
+    header, row = listing.stdout.splitlines()[1], listing.stdout.splitlines()[2]
+    assert "persisted" in header and "persist p99" in header, listing.stdout
+    assert "<= " in row or "> " in row, listing.stdout
 
     targets[1].kill()
     write_fsync(mnt / "after", os.urandom(9000))

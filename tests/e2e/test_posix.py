@@ -28,6 +28,7 @@ from helpers import (
     fsync_path,
     renameat2,
     snapshot,
+    status_json,
     wait_until,
 )
 
@@ -645,6 +646,24 @@ def test_xattrs(mnt: Mount) -> None:
     assert os.getxattr(mnt.path / "d", "user.dir") == b"yes"
     assert {n for n in os.listxattr(p) if n.startswith("user.")} == {
         "user.alpha", "user.empty", "user.big"}
+
+
+def test_writes_cost_no_getxattr_in_the_daemon_and_file_capabilities_are_refused(mnt: Mount) -> None:
+    """The kernel asks for security.capability before every write (no HANDLE_KILLPRIV_V2 in
+    libfuse 3.14); the binding answers it without running the daemon's Python code."""
+    p = mnt.path / "capless"
+    before = status_json(mnt.path)["getxattr_calls"]
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for i in range(50):
+            os.pwrite(fd, b"x" * 4096, i * 4096)
+    finally:
+        os.close(fd)
+    assert status_json(mnt.path)["getxattr_calls"] == before
+    expect_errno(errno.ENODATA, os.getxattr, p, "security.capability")
+    # A capability could never be seen again, so none is stored.
+    expect_errno(errno.EOPNOTSUPP, os.setxattr, p, "security.capability", b"\x01\x00\x00\x02" + bytes(16))
+    assert "security.capability" not in os.listxattr(p)
 
 
 # ------------------------------------------------------------ open-unlinked files

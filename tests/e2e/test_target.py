@@ -37,6 +37,7 @@ from rpmemfs.transport.wire import (
     HEADER,
     HELLO,
     HELLO_MAGIC,
+    MAX_FLUSH_RANGES,
     NO_SESSION,
     VERSION,
     Cipher,
@@ -270,6 +271,50 @@ def test_target_refuses_a_wrong_answer_to_its_challenge(token_target: Running) -
         assert code == Code.AUTH_FAILED and "authentication failed" in reason
     finally:
         raw.close()
+
+
+def _wrong_guess(address: str) -> float:
+    """One handshake answering the challenge with a wrong token: seconds until refused."""
+    raw = RawConn(address)
+    try:
+        mine, hello = rawwire.hello(Role.CONTROL, key_id(TOKEN))
+        raw.send(hello)
+        frame, payload = raw.frame()
+        assert frame.op == Op.CHALLENGE
+        started = time.monotonic()
+        # The refusal comes sealed under the target's keys, which the real token gives.
+        _, raw.records, _ = rawwire.answer_challenge(TOKEN, mine, hello, frame, payload)
+        guess, _, _ = rawwire.answer_challenge(os.urandom(32), mine, hello, frame, payload)
+        raw.sock.sendall(guess)
+        code, _ = raw.closed_with_error()
+        assert code == Code.AUTH_FAILED
+        return time.monotonic() - started
+    finally:
+        raw.close()
+
+
+def test_failed_proofs_are_throttled_per_peer_but_not_the_token_holder(scratch: Path) -> None:
+    """Each wrong guess from an address is answered later than the one before (0.05 s
+    doubling to 1.5 s: a lower bound, which a slow machine only lengthens); a client that
+    holds the token, from the same address, is let in all the while."""
+    token_file = scratch / "throttle-token"
+    token_file.write_bytes(TOKEN + b"\n")
+    token_file.chmod(0o600)
+    t = Running(scratch, token_file=token_file)
+    try:
+        waits = [_wrong_guess(t.address) for _ in range(6)]
+        assert sum(waits) >= 2.5, waits  # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 + 1.5 = 3.05 s
+        assert waits[-1] >= 1.0, waits
+
+        async def holder() -> None:
+            async with await connect(t.address, TOKEN, lanes=1) as s:
+                region = await s.create_pool(pool_name(), POOL)
+                await _good_barrier(s, region, b"let in")
+
+        run(holder)
+    finally:
+        log = t.finish()
+    assert "authentication failed" in log, log
 
 
 def test_a_replayed_target_proof_does_not_authenticate(token_target: Running) -> None:
@@ -730,3 +775,80 @@ def test_port_in_use_is_a_clean_start_error(open_target: Running, scratch: Path)
             proc.start()
     finally:
         proc.close()
+
+
+# --------------------------------------------------------------------------- flush range lists
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_flush_list_costs_what_arrived_not_what_its_header_claims(open_target: Running) -> None:
+    """Lanes that announce the largest flush list and send almost none of it: the target holds
+    only their staging buffers, not the 4 MiB each header claims (which it used to allocate)."""
+    lanes = 64
+    claim = MAX_FLUSH_RANGES
+    ctl, key, sid = raw_session(open_target.address)
+    conns: list[RawConn] = []
+    assert open_target.proc.proc is not None
+    pid = open_target.proc.proc.pid
+    try:
+        before = _rss_kib(pid)
+        for _ in range(lanes):
+            lane = RawConn(open_target.address)
+            conns.append(lane)
+            lane.handshake(role=Role.LANE, sid=sid)
+            length = 4 + 16 * claim
+            lane.send(_hdr(Op.SEND, key, 0, length, SendKind.FLUSH) + struct.pack("<I", claim)
+                      + struct.pack("<QQ", 0, 4096))
+        # Every lane's bytes reached the target: a control request after them is answered,
+        # and the target is still serving.
+        assert ctl.control({"op": "stats"})["ok"]
+        time.sleep(0.5)
+        grown = _rss_kib(pid) - before
+        # 64 claims of 4 MiB would be 256 MiB; what is really held is 64 KiB staging a lane.
+        assert grown < 64 << 10, f"target grew by {grown} KiB for {lanes} unsent flush lists"
+    finally:
+        for c in conns:
+            c.close()
+        ctl.close()
+
+
+def test_a_long_flush_list_is_merged_bounds_checked_and_counted(open_target: Running) -> None:
+    """A list larger than the staging buffer (read piece by piece) naming the same bytes over
+    and over is answered once, every range counted; a bad range in its last piece closes the
+    lane after the earlier pieces were checked, and the session's other lane is unharmed."""
+    n = 20_000  # 320 KiB of ranges: five staging buffers
+    ctl = RawConn(open_target.address)
+    lane = RawConn(open_target.address)
+    other = RawConn(open_target.address)
+    try:
+        sid = ctl.handshake()
+        name = pool_name()
+        reply = ctl.control({"op": "create", "name": name, "size": POOL})
+        assert reply["ok"], reply
+        key = int(reply["key"])
+        lane.handshake(role=Role.LANE, sid=sid)
+        other.handshake(role=Role.LANE, sid=sid)
+        lane.send(_hdr(Op.WRITE, key, 100, 5) + b"hello")
+        lane.send(_flush(key, [(i % 64 * 4096, 4096 + i % 7) for i in range(n)]))
+        frame, payload = lane.frame()
+        assert frame.op == Op.SEND_REPLY, (frame, payload)
+        stats = ctl.control({"op": "stats", "name": name})["pools"][name]
+        assert stats["persisted_ranges"] == n and stats["flushes"] == 1, stats
+        assert (open_target.pool_dir / name).read_bytes()[100:105] == b"hello"
+
+        bad = [(0, 4096)] * (n - 1) + [(POOL - 1, 2)]
+        lane.send(_flush(key, bad))
+        _expect_closed(lane, Code.OUT_OF_BOUNDS, "bad range at the end of a long list")
+        other.send(_flush(key, [(0, 4096)]))
+        frame, _ = other.frame()
+        assert frame.op == Op.SEND_REPLY
+    finally:
+        lane.close()
+        other.close()
+        ctl.close()

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from rpmemfs.target.admission import Admission
+from rpmemfs.target.admission import (
+    FAILURE_MEMORY,
+    FIRST_FAILURE_DELAY,
+    MAX_FAILING_PEERS,
+    MAX_FAILURE_DELAY,
+    Admission,
+    FailedProofs,
+)
 
 
 def test_one_peer_over_its_cap_pushes_out_only_its_own_oldest() -> None:
@@ -59,3 +66,25 @@ def test_handshake_slots_come_back_and_authenticated_connections_have_their_own_
 def test_caps_below_one_are_refused() -> None:
     with pytest.raises(ValueError):
         Admission(max_connections=0)
+
+
+def test_failed_proofs_are_answered_ever_later_per_peer_and_forgotten() -> None:
+    now = [100.0]
+    fp = FailedProofs(clock=lambda: now[0])
+    delays = [fp.failed("10.0.0.1") for _ in range(8)]
+    assert delays == sorted(delays) and delays[0] == FIRST_FAILURE_DELAY
+    assert delays[-1] == MAX_FAILURE_DELAY  # capped below the handshake deadline
+    # Another address starts from the first delay: one peer's failures cost only itself.
+    assert fp.failed("10.0.0.2") == FIRST_FAILURE_DELAY
+    # Quiet for longer than the memory: forgotten.
+    now[0] += FAILURE_MEMORY + 1
+    assert fp.failed("10.0.0.1") == FIRST_FAILURE_DELAY
+    assert fp.total == 10
+
+
+def test_failed_proofs_remember_a_bounded_number_of_peers() -> None:
+    fp = FailedProofs()
+    for i in range(MAX_FAILING_PEERS + 100):
+        fp.failed(f"peer{i}")
+    assert len(fp._peers) == MAX_FAILING_PEERS
+    assert "peer0" not in fp._peers and f"peer{MAX_FAILING_PEERS + 99}" in fp._peers

@@ -1,0 +1,220 @@
+"""POSIX ACLs, setgid directories and timestamps through a real mount, checked against what
+the same commands give on tmpfs (which has ACLs, and follows the same kernel rules as ext4):
+as root, and as unprivileged users through setpriv(1). The tests run as root (they mount).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import MakePool, MountPool
+from helpers import Mount, fsync_path
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to other users: needs root")
+
+MEMBER = 3000  # a group that user 1001 is in and user 1002 is not
+PY_CREATE = "import os, sys; os.close(os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, int(sys.argv[2], 8)))"
+
+
+def sh(cwd: Path, script: str, uid: int = 0, groups: tuple[int, ...] = (), umask: int = 0o022,
+       check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a shell script in cwd as uid (its group the same number, with these supplementary
+    groups and no capabilities unless root)."""
+    argv = ["sh", "-c", f"umask {umask:03o}; {script}"]
+    if uid:
+        group_opt = ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
+        argv = ["setpriv", "--reuid", str(uid), "--regid", str(uid), *group_opt, "--", *argv]
+    res = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=60)
+    if check:
+        assert res.returncode == 0, f"{script!r} as {uid}: {res.stderr}"
+    return res
+
+
+def observe(root: Path) -> dict[str, object]:
+    """What ls -l and getfacl show of everything under root, by path."""
+    paths = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    acls = subprocess.run(["getfacl", "-n", *paths], cwd=root, capture_output=True, text=True,
+                          check=True).stdout
+    modes = {}
+    for p in paths:
+        st = os.lstat(root / p)
+        modes[p] = (stat.filemode(st.st_mode), oct(st.st_mode), st.st_uid, st.st_gid)
+    return {"getfacl": acls.split("\n\n"), "stat": modes}
+
+
+@pytest.fixture
+def dirs(work_dir: Path, make_pool: MakePool, mount_pool: MountPool) -> tuple[Mount, Path]:
+    """A mount reachable by other users, and a tmpfs directory beside it to compare with."""
+    work_dir.chmod(0o755)
+    mnt = mount_pool(make_pool("64M"))
+    mnt.path.chmod(0o755)
+    ref = work_dir / "tmpfs-ref"
+    ref.mkdir(mode=0o755)
+    ref.chmod(0o755)
+    return mnt, ref
+
+
+def both(dirs: tuple[Mount, Path], script: str, **kw: object) -> None:
+    for d in (dirs[0].path, dirs[1]):
+        sh(d, script, **kw)  # type: ignore[arg-type]
+
+
+def can_read(d: Path, name: str, uid: int, groups: tuple[int, ...] = ()) -> bool:
+    return sh(d, f"cat {shlex.quote(name)} >/dev/null", uid, groups, check=False).returncode == 0
+
+
+# ------------------------------------------------------------------ access ACLs
+
+
+def test_acl_decides_who_reads_as_on_tmpfs(dirs: tuple[Mount, Path]) -> None:
+    mnt, ref = dirs
+    both(dirs, f"echo secret > s; chmod 640 s; setfacl -m u:1001:r,g:{MEMBER}:r s")
+    who = [(1001, ()), (1002, ()), (1003, (MEMBER,))]
+
+    def readers() -> list[list[bool]]:
+        return [[can_read(d, "s", uid, g) for uid, g in who] for d in (mnt.path, ref)]
+
+    assert readers() == [[True, False, True]] * 2  # named user, nobody, named group
+    # chmod moves the mask: the named entries lose what the group bits lose.
+    both(dirs, "chmod 600 s")
+    assert readers() == [[False, False, False]] * 2
+    both(dirs, "setfacl -m m::r s")
+    assert readers() == [[True, False, True]] * 2
+    both(dirs, "setfacl -x u:1001 s")
+    assert readers() == [[False, False, True]] * 2
+    # A directory: a named user may create files in it, another may not.
+    both(dirs, "mkdir w; setfacl -m u:1002:rwx w")
+    for d in (mnt.path, ref):
+        assert sh(d, "touch w/by1002", 1002, check=False).returncode == 0
+        assert sh(d, "touch w/by1001", 1001, check=False).returncode != 0
+    assert observe(mnt.path) == observe(ref)
+    # The ACLs are in the pool: after a remount, and after a kill -9 behind an fsync.
+    fsync_path(mnt.path / "s")
+    mnt.kill9()
+    mnt.start()
+    assert readers() == [[False, False, True]] * 2
+    assert observe(mnt.path) == observe(ref)
+    mnt.remount()
+    assert observe(mnt.path) == observe(ref)
+
+
+def test_acl_and_mode_stay_in_step_as_on_tmpfs(dirs: tuple[Mount, Path]) -> None:
+    both(dirs, "touch a b c; setfacl -m u:1001:rw,g:1234:r a; chmod 604 a;"
+               " setfacl -m u::rwx,g::r,o::- b;"  # equivalent to a mode: no ACL kept
+               " setfacl -m u:1001:rwx c; setfacl -b c;"
+               " touch k; chown 1001:1234 k; chmod 2770 k")
+    # The owner, not in the file's group, sets an ACL: setgid goes, as on ext4.
+    both(dirs, "setfacl -m u:1002:r k", uid=1001)
+    mnt, ref = dirs
+    got = observe(mnt.path)
+    assert got == observe(ref)
+    assert got["stat"]["b"][0] == "-rwxr-----"  # type: ignore[index]
+    assert got["stat"]["k"][0] == "-rwxrwx---"  # type: ignore[index]
+    # Malformed ACLs are refused (EINVAL) and change nothing.
+    for bad in (b"\x02\x00\x00\x00\x01\x00", b"\x02\x00\x00\x00" + b"\x01\x00\x06\x00\xff\xff\xff\xff"):
+        with pytest.raises(OSError) as e:
+            os.setxattr(mnt.path / "a", "system.posix_acl_access", bad)
+        assert e.value.errno == errno.EINVAL
+    assert observe(mnt.path) == got
+
+
+# ------------------------------------------------------------------ default ACLs
+
+
+def test_default_acl_applies_to_new_entries_as_on_tmpfs(dirs: tuple[Mount, Path]) -> None:
+    both(dirs, f"mkdir d; setfacl -m u:1001:rwx d; setfacl -d -m u:1001:rwx,g:{MEMBER}:rx,m::rwx,o::- d;"
+               " touch d/f1; mkdir d/s; mkfifo d/p;"
+               f" python3 -c {shlex.quote(PY_CREATE)} d/f2 600;"
+               " mkdir d/s/t; touch d/s/f3")
+    # The umask does not apply under a default ACL...
+    both(dirs, "touch d/f4; mkdir d/s2", umask=0o077)
+    # ...and applies where there is none.
+    both(dirs, "touch plain; mkdir plaind", umask=0o027)
+    both(dirs, "touch d/by1001", uid=1001, umask=0o077)
+    mnt, ref = dirs
+    got = observe(mnt.path)
+    assert got == observe(ref)
+    assert got["stat"]["d/f4"][0] == "-rw-rw----"  # type: ignore[index]
+    assert got["stat"]["plain"][0] == "-rw-r-----"  # type: ignore[index]
+    # The named user of the default ACL may write the files made under it.
+    assert sh(mnt.path, "echo x >> d/f1", 1001, check=False).returncode == 0
+    assert sh(mnt.path, "echo x >> d/f1", 1002, check=False).returncode != 0
+    sh(ref, "echo x >> d/f1", 1001)
+    fsync_path(mnt.path / "d" / "f1")
+    mnt.kill9()
+    mnt.start()
+    assert observe(mnt.path) == observe(ref)
+
+
+# ------------------------------------------------------------------ setgid
+
+
+def test_setgid_directory_as_on_tmpfs(dirs: tuple[Mount, Path]) -> None:
+    both(dirs, f"mkdir g; chgrp {MEMBER} g; chmod 2777 g; touch g/rootfile; mkdir -p g/rootdir/sub;"
+               " touch g/w g/c g/x; chmod 6777 g/w; chmod 6755 g/c; chmod 2755 g/x")
+    member = f"touch g/m1; mkdir g/m2; python3 -c {shlex.quote(PY_CREATE)} g/m3 2775"
+    both(dirs, member, uid=1001, groups=(MEMBER,))
+    # A non-member: its setgid file loses the bit; it is not a member of the group it gets.
+    both(dirs, f"touch g/n1; mkdir g/n2; python3 -c {shlex.quote(PY_CREATE)} g/n3 2775;"
+               " touch g/n4; chmod 6755 g/n4", uid=1002, umask=0)
+    # Writes by someone without CAP_FSETID clear setuid and setgid; root's do not; chown does.
+    both(dirs, "echo x >> g/w", uid=1002)
+    both(dirs, "echo y >> g/x; chown 1001 g/c")
+    mnt, ref = dirs
+    got = observe(mnt.path)
+    assert got == observe(ref)
+    s = got["stat"]
+    assert s["g/rootfile"][3] == MEMBER and s["g/rootdir/sub"][0] == "drwxr-sr-x"  # type: ignore[index]
+    assert s["g/n3"][0] == "-rwxrwxr-x" and s["g/m3"][0] == "-rwxr-sr-x"  # type: ignore[index]
+    assert s["g/w"][0] == "-rwxrwxrwx" and s["g/c"][0] == "-rwxr-xr-x"  # type: ignore[index]
+    assert s["g/x"][0] == "-rwxr-sr-x"  # type: ignore[index]
+    mnt.remount()
+    assert observe(mnt.path) == got
+
+
+# ------------------------------------------------------------------ without xattrs
+
+
+def test_noxattr_mount_refuses_acls(work_dir: Path, make_pool: MakePool, mount_pool: MountPool) -> None:
+    mnt = mount_pool(make_pool("64M"), options="pmem=force,noxattr")
+    p = mnt.path / "f"
+    p.touch()
+    mode = p.stat().st_mode
+    value = b"\x02\x00\x00\x00" + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
+        for tag, perm, ident in ((1, 6, 0xFFFFFFFF), (2, 4, 1001), (4, 4, 0xFFFFFFFF),
+                                 (0x10, 4, 0xFFFFFFFF), (0x20, 0, 0xFFFFFFFF)))
+    with pytest.raises(OSError) as e:
+        os.setxattr(p, "system.posix_acl_access", value)
+    assert e.value.errno == errno.EOPNOTSUPP
+    res = subprocess.run(["setfacl", "-m", "u:1001:r", str(p)], capture_output=True, text=True)
+    assert res.returncode != 0 and "not supported" in res.stderr
+    assert p.stat().st_mode == mode  # nothing changed, nothing stored to be ignored
+
+
+# ------------------------------------------------------------------ timestamps
+
+
+def test_touch_right_after_create_never_takes_mtime_back(mnt: Mount) -> None:
+    back = []
+    for i in range(200):
+        p = mnt.path / f"t{i}"
+        os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))
+        before = os.stat(p)
+        os.utime(p)  # touch: UTIME_NOW
+        after = os.stat(p)
+        if after.st_mtime_ns < before.st_mtime_ns or after.st_ctime_ns <= before.st_ctime_ns:
+            back.append((p.name, before.st_mtime_ns, after.st_mtime_ns, before.st_ctime_ns,
+                         after.st_ctime_ns))
+    assert back == []
+    # A time given is stored as given, back in time too (as on ext4).
+    p = mnt.path / "t0"
+    os.utime(p, ns=(1_000_000_000, 2_000_000_000))
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
