@@ -415,7 +415,7 @@ def test_the_cli_and_mount_options_choose_the_protection(
     plain = start_target("--wire-protection", "none")
     token_file = tmp_path / "token"
     res = cli("pools", plain.address, "--token-file", token_file)
-    assert res.returncode == 1 and "--wire-protection none" in res.stderr, res.stderr
+    assert res.returncode == 3 and "--wire-protection none" in res.stderr, res.stderr  # refused
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     res = cli("--wire-protection", "none", "pools", plain.address, "--token-file", token_file)
     assert res.returncode == 0, res.stderr
