@@ -50,7 +50,9 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "rpmemfs._native",
     '#include "rpmem_native.h"',
-    sources=[_rel(_HERE / "rpmem_native.c"), _rel(_HERE / "rpmem_lane.c")],
+    sources=[_rel(_HERE / name) for name in ("rpmem_native.c", "rpmem_lane.c", "rpmem_sec.c")],
+    # OpenSSL's libcrypto seals the records of protected connections (rpmem_sec.c).
+    libraries=["crypto"],
     include_dirs=[_rel(_HERE)],
     # Listed so that sdists carry them (setuptools >= 68, which pyproject.toml
     # requires, packs an extension's depends) and editing them triggers a rebuild.

@@ -185,7 +185,17 @@ static int recv_some(struct rpm_lane *l, char *dst, size_t cap, uint64_t deadlin
 {
     uint64_t spin_until = spin && l->spin_us > 0 ? now_ns() + (uint64_t)l->spin_us * 1000u : 0;
     for (;;) {
-        ssize_t n = recv(l->fd, dst, cap, MSG_DONTWAIT);
+        ssize_t n;
+        if (l->sec) {
+            /* Verified plaintext only: a record is opened in the record layer's own buffer
+             * and copied here (maybe straight into the pool) after its tag checked out. */
+            long got = rpm_sec_recv(l->sec, l->fd, dst, cap);
+            n = got < 0 ? -1 : got;
+            if (got < 0)
+                errno = (int)-got;
+        } else {
+            n = recv(l->fd, dst, cap, MSG_DONTWAIT);
+        }
         if (n >= 0) {
             *got = n;
             return 0;
@@ -234,8 +244,43 @@ static int fill(struct rpm_lane *l, uint32_t n, uint64_t deadline, int idle)
     return 0;
 }
 
+/* Seal and send every byte of the buffers, waiting for the socket as needed. */
+static int sec_send_all(struct rpm_lane *l, struct iovec *iov, int cnt, uint64_t deadline)
+{
+    struct rpm_buf bufs[4];
+    if (cnt > 4)
+        return RPM_LANE_SOCKET;
+    for (int i = 0; i < cnt; i++)
+        bufs[i] = (struct rpm_buf){iov[i].iov_base, iov[i].iov_len};
+    int i = 0;
+    for (;;) {
+        long n = i < cnt ? rpm_sec_sendv(l->sec, l->fd, bufs + i, cnt - i) : rpm_sec_flush(l->sec, l->fd);
+        if (n < 0 && n != -EAGAIN) {
+            l->err = (int)-n;
+            return RPM_LANE_SOCKET;
+        }
+        if (i < cnt && n > 0) {
+            size_t left = (size_t)n;
+            while (i < cnt && left >= bufs[i].len)
+                left -= bufs[i++].len;
+            if (i < cnt) {
+                bufs[i].base = (const char *)bufs[i].base + left;
+                bufs[i].len -= left;
+            }
+            continue;
+        }
+        if (i == cnt && !rpm_sec_pending(l->sec))
+            return 0;
+        int rc = wait_fd(l, 1, deadline, 0);
+        if (rc)
+            return rc;
+    }
+}
+
 static int send_all(struct rpm_lane *l, struct iovec *iov, int cnt, uint64_t deadline)
 {
+    if (l->sec)
+        return sec_send_all(l, iov, cnt, deadline);
     while (cnt) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
         ssize_t n = sendmsg(l->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -512,7 +557,7 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
 
 /* One barrier's frames, built and handed to the socket without a Python object per range:
  * a WRITE per range of the local pool (same offset remotely), then its one flush. */
-long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
+long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
                       uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
                       uint8_t *flush_list, uint64_t *total)
 {
@@ -570,8 +615,21 @@ long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t 
         }
         iov[0].iov_base = (char *)iov[0].iov_base + skip;
         iov[0].iov_len -= skip;
-        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)k};
-        ssize_t got = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        ssize_t got;
+        if (sec) {
+            /* Sealed bytes the socket does not take now wait in sec (the caller sees
+             * rpm_sec_pending). */
+            static __thread struct rpm_buf bufs[IOV_BATCH];
+            for (int m = 0; m < k; m++)
+                bufs[m] = (struct rpm_buf){iov[m].iov_base, iov[m].iov_len};
+            long n = rpm_sec_sendv(sec, fd, bufs, k);
+            got = n;
+            if (n < 0)
+                errno = (int)-n;
+        } else {
+            struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+            got = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        }
         if (got < 0) {
             if (errno == EINTR)
                 continue;

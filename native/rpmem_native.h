@@ -44,6 +44,39 @@ int rpm_populate(void *addr, size_t len);
  * continues the checksum: rpm_crc32c(rpm_crc32c(0, a), b) == crc of a+b. */
 uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len);
 
+/* ---- wire protection: the AEAD record layer (rpmem_sec.c, docs/wire.md) ---- */
+
+/* One piece of a gather list. */
+struct rpm_buf {
+    const void *base;
+    size_t len;
+};
+
+/* A protected connection's record state: keys, sequence numbers, buffers. Opaque. */
+struct rpm_sec;
+
+/* 1 when the CPU has AES-NI and PCLMULQDQ (AES-256-GCM is then the fast choice). */
+int rpm_sec_has_aes(void);
+/* A record state for cipher (RPM_WIRE_CIPHER_*) with each direction's key
+ * (RPM_WIRE_KEY_SIZE bytes); NULL for an unknown cipher or no memory. */
+struct rpm_sec *rpm_sec_new(int cipher, const uint8_t *tx_key, const uint8_t *rx_key);
+void rpm_sec_free(struct rpm_sec *s);
+/* Seal the buffers' bytes into records and send what the socket takes now. Returns the
+ * plaintext bytes taken (a prefix of the buffers; sealed ones the socket did not take yet
+ * wait in the state: see rpm_sec_pending), -EAGAIN when nothing could be taken, or -errno. */
+long rpm_sec_sendv(struct rpm_sec *s, int fd, const struct rpm_buf *bufs, int cnt);
+/* Send sealed bytes still waiting; returns how many still wait, or -errno. */
+long rpm_sec_flush(struct rpm_sec *s, int fd);
+uint32_t rpm_sec_pending(const struct rpm_sec *s);
+/* Up to cap bytes of verified plaintext; 0 at the end of the stream, -EAGAIN when no whole
+ * record is there yet, -EBADMSG for a record that fails its tag (changed, dropped, replayed
+ * or reordered in transit), -EPROTO for a bad record length, or -errno. Failures stick. */
+long rpm_sec_recv(struct rpm_sec *s, int fd, char *dst, size_t cap);
+/* Verified plaintext held, not handed out yet. */
+uint32_t rpm_sec_buffered(const struct rpm_sec *s);
+/* 0, or the -errno every later call returns. */
+int rpm_sec_failed(const struct rpm_sec *s);
+
 /* ---- target data path (rpmem_lane.c) ---- */
 
 /* Buckets of the persist-latency histogram: the bounds Python sets (rpm_persist_bounds),
@@ -95,6 +128,7 @@ struct rpm_lane {
     uint32_t start;
     uint32_t end;
     uint8_t hdr[RPM_WIRE_HEADER_SIZE]; /* the frame a persist failed for */
+    struct rpm_sec *sec; /* NULL on a link whose both ends run with wire protection none */
 };
 
 /* What rpm_lane_serve returns. */
@@ -134,8 +168,9 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
  * a flush READ, else a SEND of the range list. hdrs holds RPM_WIRE_HEADER_SIZE (n + 1)
  * bytes, flush_list RPM_WIRE_FLUSH_COUNT_SIZE + RPM_WIRE_FLUSH_RANGE_SIZE n. Returns the
  * bytes sent (less than *total when the socket is full), -EINVAL for a range outside the
- * region, or another -errno; with fd < 0 it only builds the frames. */
-long rpm_post_barrier(int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
+ * region, or another -errno; with fd < 0 it only builds the frames. With sec, the frames
+ * are sealed (rpm_sec_sendv): bytes sent then counts the plaintext taken. */
+long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
                       uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
                       uint8_t *flush_list, uint64_t *total);
 

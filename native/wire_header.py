@@ -31,8 +31,9 @@ CONSTANTS = (
     "VERSION", "HEADER_SIZE", "F_FLUSH", "F_CLOSE", "ATOMIC_SIZE", "FLUSH_READ_SIZE",
     "MAX_WRITE", "MAX_READ", "MAX_SEND", "MAX_CONTROL", "MAX_ERROR_TEXT",
     "FLUSH_COUNT_SIZE", "FLUSH_RANGE_SIZE", "MAX_FLUSH_RANGES",
+    "RECORD_LEN_SIZE", "RECORD_TAG_SIZE", "RECORD_MAX", "RECORD_OVERHEAD", "KEY_SIZE",
 )
-ENUMS = (("Op", "OP_"), ("SendKind", "SEND_"), ("Code", "CODE_"))
+ENUMS = (("Op", "OP_"), ("SendKind", "SEND_"), ("Code", "CODE_"), ("Cipher", "CIPHER_"))
 STRUCTS = (("rpm_wire_hdr", "HEADER_FIELDS"), ("rpm_wire_flush_range", "FLUSH_RANGE_FIELDS"))
 C_TYPES = {"B": "uint8_t", "H": "uint16_t", "I": "uint32_t", "Q": "uint64_t"}
 

@@ -474,6 +474,8 @@ def cmd_target(args: argparse.Namespace) -> int:
     if args.log_level is not None:
         # Taken out as a global option wherever it stood; the daemon sets up its own logging.
         rest += ["--log-level", args.log_level]
+    if args.wire_protection is not None:
+        rest += ["--wire-protection", args.wire_protection]
     # The daemon's own parser prints its whole usage before an error; a copy of it built from
     # this module's class checks the options first, so a mistake is one line here too.
     own = build_parser()
@@ -515,6 +517,11 @@ def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
                    default=None if top else argparse.SUPPRESS,
                    help=f"{', '.join(LOG_LEVELS)} (default {DEFAULT_LOG_LEVEL}); "
                         "before or after the command")
+    p.add_argument("--wire-protection", choices=("aead", "none"),
+                   default=None if top else argparse.SUPPRESS,
+                   help="aead (default): traffic to targets over TCP is encrypted and "
+                        "authenticated; none: plaintext, for a trusted link to targets started "
+                        "with --wire-protection none (docs/wire.md)")
 
 
 def _unfinished_option(s: argparse.ArgumentParser) -> None:
@@ -680,6 +687,10 @@ def _report(exc: BaseException) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logs.setup(args.log_level or DEFAULT_LOG_LEVEL)
+    if args.wire_protection is not None:
+        from rpmemfs.transport import protection
+
+        protection.set_initiator(args.wire_protection)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc patch)
+# libssl-dev: the native helper seals protected connections with libcrypto (native/rpmem_sec.c).
+PKGS=(fuse3 libfuse3-dev libssl-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc patch)
 # The tests also run a real Prometheus server and promtool against the metrics and alert rules,
 # systemd-analyze against the units, and setfacl/getfacl on the mount and on a tmpfs beside it.
 for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd acl); done

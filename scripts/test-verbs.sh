@@ -48,9 +48,11 @@ if [ ! -x vm/venv/bin/python ]; then
     /usr/bin/python3 -m venv --system-site-packages vm/venv || { echo "verbs tests: cannot create vm/venv" >&2; exit 1; }
 fi
 py=vm/venv/bin/python
-if ! "$py" -c 'import pytest, pytest_timeout, trio' 2>/dev/null; then
-    "$py" -m pip install -q --disable-pip-version-check pytest pytest-timeout trio \
-        || { echo "verbs tests: cannot install pytest and trio into vm/venv" >&2; exit 1; }
+# cryptography: the handshake's X25519 and HKDF (rpmemfs/transport/auth.py); Debian's
+# python3-cryptography (38) serves, through --system-site-packages, where it is installed.
+if ! "$py" -c 'import pytest, pytest_timeout, trio, cryptography' 2>/dev/null; then
+    "$py" -m pip install -q --disable-pip-version-check pytest pytest-timeout trio cryptography \
+        || { echo "verbs tests: cannot install pytest, trio and cryptography into vm/venv" >&2; exit 1; }
 fi
 # The patched pyfuse3 the mount needs (as scripts/install.sh builds it for .venv).
 scripts/build-pyfuse3.sh "$py" || { echo "verbs tests: cannot build pyfuse3 for vm/venv" >&2; exit 1; }

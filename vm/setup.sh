@@ -20,7 +20,8 @@ say() { echo "vm/setup.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 PACKAGES=(qemu-system-x86 busybox-static cpio kmod iproute2 python3 rdma-core ibverbs-providers
-          ibverbs-utils rdmacm-utils perftest python3-pyverbs zstd ndctl e2fsprogs)
+          ibverbs-utils rdmacm-utils perftest python3-pyverbs zstd ndctl e2fsprogs
+          libssl-dev)  # the native helper links libcrypto (wire protection, native/rpmem_sec.c)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 

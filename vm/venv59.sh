@@ -73,6 +73,6 @@ fi
 # The repository on the path (as `pip install -e .` does for vm/venv, without rebuilding the
 # cffi module in the tree: its abi3 build fits every Python 3).
 echo "$REPO" > "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rpmemfs-repo.pth"
-"$py" -m pip install -q --disable-pip-version-check pytest pytest-timeout trio cffi
+"$py" -m pip install -q --disable-pip-version-check pytest pytest-timeout trio cffi cryptography
 "$REPO/scripts/build-pyfuse3.sh" "$py" || die "cannot build the patched pyfuse3"
 "$py" -c 'import pyverbs.libibverbs_enums, pyverbs.qp' || die "pyverbs 59 does not import"

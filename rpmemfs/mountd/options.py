@@ -38,6 +38,7 @@ class MountOptions:
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     takeover: bool = False  # claim the replicas even from a newer owner (fencing it)
     metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
+    wire_protection: str | None = None  # None: the process's (aead unless told otherwise)
     extra: list[str] = field(default_factory=list)
 
 
@@ -92,6 +93,12 @@ def _metrics(mo: MountOptions, value: str) -> None:
     mo.metrics = value
 
 
+def _wire_protection(mo: MountOptions, value: str) -> None:
+    if value not in ("aead", "none"):
+        raise MountError(f"wire_protection= must be aead or none, not {value!r}")
+    mo.wire_protection = value
+
+
 def _set(attr: str, value: object) -> Callable[[MountOptions, str], None]:
     def apply(mo: MountOptions, _: str) -> None:
         setattr(mo, attr, value)
@@ -118,6 +125,9 @@ OPTIONS: dict[str, tuple[bool, str, str, Callable[[MountOptions, str], None]]] =
                f"(default {DEFAULT_COMMIT:g}, 0: off)", _commit),
     "token_file": (True, "token_file=F", "token for the target daemons (default: the one recorded "
                    "in the pool)", _text("token_file")),
+    "wire_protection": (True, "wire_protection=aead|none", "aead (default): traffic to the targets "
+                        "over TCP is encrypted and authenticated; none: plaintext, for a trusted "
+                        "link to targets started with --wire-protection none", _wire_protection),
     "takeover": (False, "takeover", "claim the replicas even from a newer primary, fencing it "
                  "(docs/failover.md)", _set("takeover", True)),
     "noxattr": (False, "noxattr", "no extended attributes: saves the kernel's GETXATTR before each "

@@ -13,10 +13,13 @@ from rpmemfs.mountd.daemon import Mounted
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.options import MountOptions, parse_options
 from rpmemfs.sdnotify import notify
+from rpmemfs.transport import protection
 
 
 def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
     mo = parse_options(opts)
+    if mo.wire_protection is not None:
+        protection.set_initiator(mo.wire_protection)  # every connection of this mount, and its children
     logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
     if foreground:
         m = Mounted(pool, mountpoint, mo)

@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="who runs the lanes' receive loops: a C thread per lane (default) or the Python loop",
     )
     p.add_argument(
+        "--wire-protection", choices=("aead", "none"), default="aead",
+        help="aead (default): TCP traffic is encrypted and authenticated (docs/wire.md); none: "
+        "plaintext, for a trusted link only, and only with initiators that ask for none too",
+    )
+    p.add_argument(
         "--rdma", choices=("auto", "off"), default="auto",
         help="auto: also serve verbs initiators (rdmacm on the same address and port) when an "
         "RDMA device has the listen address; off: TCP only",
@@ -177,6 +182,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
         rdma=args.rdma == "auto", max_handshakes=args.max_handshakes,
         max_handshakes_per_peer=args.max_handshakes_per_peer, metrics=args.metrics,
+        protect=args.wire_protection == "aead",
         load_tokens=load_tokens,
     )
     return config, store

@@ -14,6 +14,7 @@ connections are untouched.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -61,6 +62,11 @@ MAX_DIRTY = 1024
 ERROR_SEND_TIMEOUT = 1.0
 # A flush's range list is read this many ranges at a time (what the staging buffer holds).
 FLUSH_CHUNK_RANGES = STAGING_SIZE // FLUSH_RANGE_SIZE
+
+
+def _sec_reason() -> str:
+    return ("a record failed authentication (changed, dropped, replayed or reordered in transit); "
+            "nothing of it was placed")
 
 
 class Violation(Exception):
@@ -147,7 +153,14 @@ class FrameLoop:
                 log.warning("peer %s: closing %s: truncated frame (closed mid-frame)", self._peer, self._what)
             else:
                 log.info("peer %s: %s closed by the peer", self._peer, self._what)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.EBADMSG, errno.EPROTO):
+                # Nothing of the bad record was placed; the initiator sees the lane lost.
+                log.warning("peer %s: closing %s: %s", self._peer, self._what,
+                            exc.strerror if exc.errno != errno.EBADMSG else _sec_reason())
+            else:
+                log.info("peer %s: %s lost: %s", self._peer, self._what, exc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("peer %s: %s lost: %s", self._peer, self._what, exc)
 
     async def _serve_native(self) -> None:

@@ -1,4 +1,6 @@
-"""The target's side of the handshake: version, mutual proof of the token, session binding."""
+"""The target's side of the handshake: version, wire protection, mutual proof of the token
+(over an ephemeral X25519 exchange, transport/auth.py), session binding; then, on a protected
+connection, everything after the initiator's AUTH is sealed (SockIO.protect)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,17 @@ import trio
 
 from rpmemfs.target.authz import Grant, TokenBook
 from rpmemfs.target.sessions import SessionTable, TargetSession
-from rpmemfs.transport import auth
+from rpmemfs.transport import auth, protection
 from rpmemfs.transport.sockio import SockIO
 from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all
 from rpmemfs.transport.wire import (
     F_CLOSE,
+    HELLO_F_NO_AES,
+    HELLO_F_PLAIN,
     HELLO_SIZE,
-    NONCE_SIZE,
+    KEY_SIZE,
     PROOF_SIZE,
+    Cipher,
     Code,
     Frame,
     Hello,
@@ -74,6 +79,29 @@ def _credentials(hello: Hello, book: TokenBook, sessions: SessionTable
     return found[0], found[1], None
 
 
+PLAIN_REFUSED = (
+    "this target protects its traffic and the initiator asked for none: drop the initiator's "
+    "wire_protection=none (mount option) or --wire-protection none, or start the target with "
+    "--wire-protection none if the link is trusted"
+)
+PROTECTED_REFUSED = (
+    "this target runs with --wire-protection none (a trusted link only) and the initiator "
+    "requires protection: give the initiator --wire-protection none (or the mount option "
+    "wire_protection=none), or start the target without --wire-protection none"
+)
+
+
+def _cipher(hello: Hello, protect: bool) -> Cipher:
+    plain = bool(hello.flags & HELLO_F_PLAIN)
+    if plain and protect:
+        raise WireError(Code.PROTECTION, PLAIN_REFUSED)
+    if not plain and not protect:
+        raise WireError(Code.PROTECTION, PROTECTED_REFUSED)
+    if plain:
+        return Cipher.NONE
+    return protection.choose(initiator_has_aes=not hello.flags & HELLO_F_NO_AES)
+
+
 async def accept(
     sock: SockIO,
     reader: FrameReader,
@@ -82,6 +110,8 @@ async def accept(
     sessions: SessionTable,
     info: dict[str, Any],
     before_auth_failure: Callable[[], Awaitable[None]] | None = None,
+    *,
+    protect: bool = True,
 ) -> tuple[Role, TargetSession]:
     """Run the handshake (under the caller's deadline); HandshakeRefused says why it failed.
 
@@ -95,24 +125,36 @@ async def accept(
             if exc.mid_frame:
                 raise
             raise ClosedBeforeHello from None
-        hello = Hello.unpack(reader.take(HELLO_SIZE))
+        raw = bytes(reader.take(HELLO_SIZE))
+        hello = Hello.unpack(raw)
+        cipher = _cipher(hello, protect)
         token, grant, found = _credentials(hello, book, sessions)
-        server_nonce = auth.nonce()
-        proof = auth.target_proof(token, hello.nonce, server_nonce)
-        challenge = Frame(Op.CHALLENGE, length=NONCE_SIZE + PROOF_SIZE).pack()
-        await send_all(sock, [challenge, server_nonce + proof])
+        mine = auth.Ephemeral()
+        challenge = Frame(Op.CHALLENGE, length=KEY_SIZE + PROOF_SIZE, imm=cipher).pack()
+        transcript = raw + challenge + mine.public
+        try:
+            keys = auth.derive(token, mine.shared(hello.public), transcript)
+        except ValueError:
+            raise WireError(Code.BAD_HELLO, "the initiator's public key is not a valid X25519 key") from None
+        await send_all(sock, [challenge, mine.public + auth.target_proof(keys, transcript)])
         frame = await reader.header()
         if frame.op != Op.AUTH or frame.length != PROOF_SIZE:
             got = Op(frame.op).name
             raise WireError(Code.BAD_HELLO, f"expected AUTH with a {PROOF_SIZE}-byte proof, got {got}")
         await reader.fill(PROOF_SIZE)
         answer = bytes(reader.take(PROOF_SIZE))
+        if cipher != Cipher.NONE:
+            if reader.buffered:
+                raise WireError(Code.BAD_HELLO, "bytes after the AUTH before the target's OK")
+            # Sealed from here on, refusals included: the initiator reads sealed records
+            # once it has sent its AUTH.
+            sock.protect(cipher, keys.target_to_initiator, keys.initiator_to_target)
     except WireError as exc:
         if exc.code == Code.AUTH_FAILED and before_auth_failure is not None:
             await before_auth_failure()
         await refuse(sock, exc.code, exc.reason)
         raise HandshakeRefused(exc.code, exc.reason) from None
-    if not auth.same(answer, auth.initiator_proof(token, hello.nonce, server_nonce)):
+    if not auth.same(answer, auth.initiator_proof(keys, transcript)):
         reason = "authentication failed: the initiator does not hold the token it named"
         if before_auth_failure is not None:
             await before_auth_failure()

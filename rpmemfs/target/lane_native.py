@@ -48,6 +48,7 @@ class NativeLane:
         c.frame_ms = _ms(frame_timeout)
         c.regions = table.c
         c.nregions = MAX_REGIONS
+        c.sec = io.sec  # the record layer's state (NULL unprotected); io keeps it alive
         self._buf: bytearray | None = None
         self._stage: Any = None
         # One thread per lane, whatever trio's default thread limit.

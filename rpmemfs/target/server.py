@@ -60,6 +60,7 @@ class TargetConfig:
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES  # unauthenticated connections, in total...
     max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
     metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
+    protect: bool = True  # TCP traffic sealed (docs/wire.md); False: --wire-protection none
     # Reads the token files again (SIGHUP); raises AuthzError/TokenError/OSError when one is wrong.
     load_tokens: Callable[[], TokenBook] | None = None
 
@@ -90,6 +91,7 @@ class Server:
             "method": config.method,
             "pmem": config.pmem_kind,
             "max_pool_size": config.max_pool_size,
+            "wire_protection": "aead" if config.protect else "none",
         }
         self.control = ControlService(store, self.sessions, config.method, self.info)
         self.admission = Admission(config.max_connections, config.max_handshakes,
@@ -107,8 +109,9 @@ class Server:
                 address = announce(listener)
                 notify("READY=1", f"STATUS=serving {self.config.pool_dir} on {address}")
                 log.info(
-                    "target on %s serving %s: method %s, pmem %s, tokens %s",
+                    "target on %s serving %s: method %s, pmem %s, wire protection %s, tokens %s",
                     address, self.config.pool_dir, self.config.method, self.config.pmem_kind,
+                    self.info["wire_protection"],
                     ", ".join(f"{g.name} ({'admin' if g.admin else 'pools'})"
                               for g in self.config.tokens.grants()),
                 )
@@ -229,7 +232,7 @@ class Server:
         try:
             with hs.scope, trio.fail_after(cfg.handshake_timeout):
                 role, session = await accept(sock, reader, peer, cfg.tokens, self.sessions, self.info,
-                                             partial(self._throttle, host))
+                                             partial(self._throttle, host), protect=cfg.protect)
             if hs.dropped:
                 # Pushed out by newer connections over the caps (admission.py); counted and
                 # reported there, in one line for many.

@@ -5,6 +5,7 @@ connection: whoever waits for a reply reads frames until its own arrives and lea
 others' in a stash. A connection that fails mid-operation (a deadline, a cancellation after
 bytes went out, an ERROR frame that closes it, the peer gone) is *lost*, like a queue pair in
 the error state: every later operation on it raises TransportError with the first reason.
+A record that fails authentication (protected traffic, docs/wire.md) loses it the same way.
 """
 
 from __future__ import annotations
@@ -16,20 +17,23 @@ from typing import Any, NoReturn
 
 import trio
 
-from rpmemfs.transport import auth
+from rpmemfs.transport import auth, protection
 from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
 from rpmemfs.transport.stream import FrameReader, PeerClosed, _advance, send_all, send_nowait
 from rpmemfs.transport.wire import (
     F_CLOSE,
     HEADER_SIZE,
+    HELLO_F_NO_AES,
+    HELLO_F_PLAIN,
+    KEY_SIZE,
     MAX_ERROR_TEXT,
     MAX_READ,
     MAX_SEND,
-    NONCE_SIZE,
     PROOF_SIZE,
     SESSION_ID_SIZE,
     VERSION,
+    Cipher,
     Code,
     Frame,
     Hello,
@@ -211,13 +215,14 @@ class Connection:
         except OSError as exc:
             self._send_lock.release()
             self._failed(exc, _SENDING)
-        if sent == total or not sent:
+        if (sent == total and not self.io.pending) or not sent:
             # All out, or nothing: either way no frame is cut in half, so the lock goes.
             self._send_lock.release()
-            if sent == total:
+            if sent:
                 return [], False
         pending = rebuild()
-        return pending[_advance(pending, 0, sent):], bool(sent)
+        # All sealed but some still in the record layer: sending the empty rest pushes it out.
+        return pending[_advance(pending, 0, sent):] or [b""], bool(sent)
 
     async def finish_send(self, rest: list[Buffer], locked: bool) -> int:
         """Send the rest that :meth:`send_nowait` left (``locked``: it kept the send lock)."""
@@ -298,23 +303,42 @@ class Connection:
             self._fail("target closed the connection: " + _error_reason(payload, frame.imm), frame.imm)
         self._stash[frame.id] = (frame, payload)
 
-    async def handshake(self, token: bytes, role: Role, session_id: bytes) -> tuple[bytes, dict[str, Any]]:
-        """Authenticate both ways; returns the session id and what the target says about itself."""
-        client_nonce = auth.nonce()
+    async def handshake(self, token: bytes, role: Role, session_id: bytes, protect: bool = True
+                        ) -> tuple[bytes, dict[str, Any]]:
+        """Authenticate both ways and, when ``protect``, seal everything after the AUTH;
+        returns the session id and what the target says about itself."""
+        mine = auth.Ephemeral()
+        flags = 0 if protect else HELLO_F_PLAIN
+        if protect and not protection.has_aes():
+            flags |= HELLO_F_NO_AES
+        hello = Hello(VERSION, role, mine.public, session_id, flags).pack()
         try:
             with trio.fail_after(self.timeout):
-                await send_all(self.io, [Hello(VERSION, role, client_nonce, session_id).pack()])
-                frame, payload = await self._handshake_frame(Op.CHALLENGE, NONCE_SIZE + PROOF_SIZE)
-                server_nonce, proof = payload[:NONCE_SIZE], payload[NONCE_SIZE:]
-                if not auth.same(proof, auth.target_proof(token, client_nonce, server_nonce)):
+                await send_all(self.io, [hello])
+                frame, payload = await self._handshake_frame(Op.CHALLENGE, KEY_SIZE + PROOF_SIZE)
+                cipher = self._cipher(frame, protect)
+                if len(payload) != KEY_SIZE + PROOF_SIZE:
+                    self._fail("target's CHALLENGE has the wrong length")
+                theirs, proof = payload[:KEY_SIZE], payload[KEY_SIZE:]
+                transcript = hello + frame.pack() + theirs
+                try:
+                    keys = auth.derive(token, mine.shared(theirs), transcript)
+                except ValueError:
+                    self._fail("the target's public key is not a valid X25519 key", Code.AUTH_FAILED)
+                if not auth.same(proof, auth.target_proof(keys, transcript)):
                     # Our own proof is not sent to a peer that could not prove itself.
                     self._fail(
                         "the target could not prove it knows the token: it is not the genuine "
-                        "target, or it was given a different token",
+                        "target, it was given a different token, or the handshake was changed "
+                        "in transit",
                         Code.AUTH_FAILED,
                     )
-                answer = auth.initiator_proof(token, client_nonce, server_nonce)
+                answer = auth.initiator_proof(keys, transcript)
                 await send_all(self.io, [Frame(Op.AUTH, length=PROOF_SIZE).pack(), answer])
+                if cipher != Cipher.NONE:
+                    if self.reader.buffered:
+                        self._fail("target sent bytes it had no reason to send during the handshake")
+                    self.io.protect(cipher, keys.initiator_to_target, keys.target_to_initiator)
                 frame, payload = await self._handshake_frame(Op.OK, MAX_SEND)
         except _INTERRUPTIONS as exc:
             self._failed(exc, _HANDSHAKE)
@@ -325,6 +349,20 @@ class Connection:
         except ValueError:
             self._fail("target's OK carries no valid JSON")
         return payload[:SESSION_ID_SIZE], info
+
+    def _cipher(self, challenge: Frame, protect: bool) -> Cipher:
+        """The cipher the target chose in its CHALLENGE, if it fits what we asked for."""
+        try:
+            cipher = Cipher(challenge.imm)
+        except ValueError:
+            self._fail(f"target chose cipher {challenge.imm}, unknown here")
+        if protect and cipher == Cipher.NONE:
+            self._fail("target offered no wire protection, which this initiator requires",
+                       Code.PROTECTION)
+        if not protect and cipher != Cipher.NONE:
+            self._fail("target chose wire protection although this initiator asked for none",
+                       Code.PROTECTION)
+        return cipher
 
     async def _handshake_frame(self, want: Op, limit: int) -> tuple[Frame, bytes]:
         frame = await self.reader.header()
@@ -337,7 +375,8 @@ class Connection:
 
 
 async def open_connection(
-    host: str, port: int, peer: str, token: bytes, role: Role, session_id: bytes, timeout: float
+    host: str, port: int, peer: str, token: bytes, role: Role, session_id: bytes, timeout: float,
+    protect: bool = True,
 ) -> tuple[Connection, bytes, dict[str, Any]]:
     try:
         with trio.fail_after(timeout):
@@ -349,7 +388,7 @@ async def open_connection(
     try:
         tune(sock, send_buffer=SEND_BUFFER)
         conn = Connection(SockIO(sock), peer, timeout)
-        session, info = await conn.handshake(token, role, session_id)
+        session, info = await conn.handshake(token, role, session_id, protect)
     except BaseException:
         sock.close()
         raise

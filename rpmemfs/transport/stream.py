@@ -3,7 +3,9 @@
 The reader keeps one staging buffer. Small frames arrive many to a recv() and are parsed out
 of it; a large payload is received straight into the caller's destination (for the target:
 a slice of the pool mapping), so the bytes are copied once, by the kernel, as a NIC would.
-Neither applies deadlines: the caller bounds the waits (SockIO.arm, or a cancel scope).
+On a protected connection that copy is the record layer's, from the buffer it opened the
+record in, once the record's tag verified (SockIO.protect). Neither applies deadlines: the
+caller bounds the waits (SockIO.arm, or a cancel scope).
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ class FrameReader:
         if n > len(self._buf):
             return False
         self._make_room(n)
-        sock = self.sock.sock
+        sock = self.sock
         while self._end - self._start < n:
             try:
-                got = sock.recv_into(self._view[self._end :])
+                got = sock.recv_nowait(self._view[self._end :])
             except BlockingIOError:
                 return False
             except InterruptedError:
@@ -174,9 +176,26 @@ def _advance(pending: list[Buffer], i: int, sent: int) -> int:
     return i
 
 
+# The rest of a send whose bytes were all sealed but not all taken by the socket yet:
+# sending it (send_all) pushes them out.
+SEALED_REST: list[Buffer] = [b""]
+
+
 def send_nowait(sock: SockIO, bufs: list[Buffer]) -> tuple[list[Buffer], int]:
     """Send what the socket takes now; returns (what is left, sendmsg calls)."""
     pending = list(bufs)
+    if sock.protected:
+        calls = i = 0
+        # One call seals what fits the record layer's buffer; go on while the socket takes it.
+        while i < len(pending) and not sock.pending:
+            try:
+                taken = sock.sendv_nowait(pending[i:])
+            except BlockingIOError:
+                break
+            calls += 1
+            i = _advance(pending, i, taken)
+        rest = pending[i:]
+        return rest or (list(SEALED_REST) if sock.pending else []), calls
     raw = sock.sock
     calls = i = 0
     while i < len(pending):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 import trio
 
 from rpmemfs.native import ffi, lib
-from rpmemfs.transport import tokens
+from rpmemfs.transport import protection, tokens
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.transport.base import (
     DEFAULT_TIMEOUT,
@@ -174,6 +174,7 @@ class TcpLane:
         else:
             id_ = self._flush_send_frame(region, ranges, bufs)
             want = HEADER_SIZE
+        want += self._conn.io.overhead
         self.stats.batches += 1
         rest, calls, locked = self._conn.send_nowait(bufs)
         self.stats.sendmsgs += calls
@@ -205,8 +206,8 @@ class TcpLane:
         total = ffi.new("uint64_t *")
 
         def send(fd: int) -> tuple[int, int]:
-            got = lib.rpm_post_barrier(fd, local.base, pairs, n, region.key, size, first, apm,
-                                       hdrs, flist, total)
+            got = lib.rpm_post_barrier(conn.io.sec if fd >= 0 else ffi.NULL, fd, local.base, pairs, n,
+                                       region.key, size, first, apm, hdrs, flist, total)
             if got < 0:
                 raise OSError(-got, os.strerror(-got))
             return got, total[0]
@@ -231,7 +232,7 @@ class TcpLane:
         self.stats.sendmsgs += 1
         self.stats.writes += n
         self.stats.bytes += sum(k for _, k in ranges)
-        want = HEADER_SIZE + FLUSH_READ_SIZE if apm else HEADER_SIZE
+        want = (HEADER_SIZE + FLUSH_READ_SIZE if apm else HEADER_SIZE) + conn.io.overhead
         return TcpTicket(first + n, conn.io.fileno(), want, rest, locked)
 
     def poll(self, ticket: Ticket) -> bool:
@@ -335,8 +336,10 @@ class TcpSession:
         session_id: bytes,
         info: dict[str, Any],
         timeout: float,
+        protect: bool = True,
     ) -> None:
         self._control = control
+        self._protect = protect
         self._host = host
         self._port = port
         self._token = token
@@ -348,7 +351,8 @@ class TcpSession:
 
     async def open_lane(self) -> TcpLane:
         conn, _, _ = await open_connection(
-            self._host, self._port, self.peer, self._token, Role.LANE, self.session_id, self.timeout
+            self._host, self._port, self.peer, self._token, Role.LANE, self.session_id, self.timeout,
+            self._protect,
         )
         lane = TcpLane(conn)
         self.lanes.append(lane)
@@ -440,11 +444,15 @@ async def connect(
     secret = token if token is not None else tokens.local_token()
     if secret is None:
         raise TransportError(peer, tokens.NO_TOKEN)
+    try:
+        protect = protection.initiator_protects()
+    except ValueError as exc:
+        raise TransportError(peer, f"${protection.ENV}: {exc}") from None
     # A control HELLO names the token it proves with where a lane's names its session.
     conn, session_id, info = await open_connection(
-        host, port, peer, secret, Role.CONTROL, tokens.key_id(secret), timeout
+        host, port, peer, secret, Role.CONTROL, tokens.key_id(secret), timeout, protect
     )
-    session = TcpSession(TcpLane(conn), host, port, secret, session_id, info, timeout)
+    session = TcpSession(TcpLane(conn), host, port, secret, session_id, info, timeout, protect)
     try:
         for _ in range(lanes):
             await session.open_lane()

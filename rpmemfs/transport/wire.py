@@ -1,4 +1,4 @@
-"""The rpmemfs wire format, version 1 (described byte by byte in docs/wire.md).
+"""The rpmemfs wire format, version 2 (described byte by byte in docs/wire.md).
 
 Everything after the 64-byte HELLO travels in frames: a fixed 32-byte little-endian header,
 then ``length`` payload bytes for the ops that carry one. The header never changes size
@@ -20,7 +20,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-VERSION = 1
+VERSION = 2
 HELLO_MAGIC = b"RPMWIRE\x00"
 
 # The frame header, field by field (name, struct code); C gets it as struct rpm_wire_hdr.
@@ -32,12 +32,12 @@ HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 
-# magic 8s, version u16, role u8, flags u8, reserved u32, client nonce 32s, session id 16s
+# magic 8s, version u16, role u8, flags u8, reserved u32, client X25519 public key 32s,
+# session id 16s
 HELLO = struct.Struct("<8sHBBI32s16s")
 HELLO_SIZE = HELLO.size
 assert HELLO_SIZE == 64
 
-NONCE_SIZE = 32
 PROOF_SIZE = 32
 SESSION_ID_SIZE = 16
 NO_SESSION = bytes(SESSION_ID_SIZE)
@@ -52,6 +52,14 @@ MAX_ERROR_TEXT = 4096
 ATOMIC_SIZE = 8
 # An appliance flush is a READ of this many bytes at offset 0 of the pool.
 FLUSH_READ_SIZE = 8
+
+# Protected traffic (docs/wire.md): after the handshake each direction of the stream is cut
+# into AEAD records, u32 length L (1..RECORD_MAX), L bytes of ciphertext, a 16-byte tag.
+RECORD_LEN_SIZE = 4
+RECORD_TAG_SIZE = 16
+RECORD_MAX = 32 << 10
+RECORD_OVERHEAD = RECORD_LEN_SIZE + RECORD_TAG_SIZE
+KEY_SIZE = 32  # X25519 public keys, and each direction's AEAD key
 
 # A GPSPM flush message: u32 count, then count x (u64 offset, u64 length).
 FLUSH_COUNT = struct.Struct("<I")
@@ -75,6 +83,14 @@ class Op(enum.IntEnum):
     OK = 0x12
 
 
+class Cipher(enum.IntEnum):
+    """How a connection's records are sealed; the target's choice travels in CHALLENGE's imm."""
+
+    NONE = 0  # both ends run with wire protection none (a trusted link)
+    AES_256_GCM = 1
+    CHACHA20_POLY1305 = 2  # where either end's CPU has no AES instructions
+
+
 class Role(enum.IntEnum):
     CONTROL = 1
     LANE = 2
@@ -92,11 +108,16 @@ F_FLUSH = 0x01  # on READ: this read is a barrier's flush (counted by the target
 F_CLOSE = 0x01  # on ERROR: the sender closes the connection after this frame
 KNOWN_FLAGS = {Op.READ: F_FLUSH, Op.ERROR: F_CLOSE}
 
+# HELLO flags: what the initiator asks for its connection.
+HELLO_F_PLAIN = 0x01  # no wire protection (the target must run with --wire-protection none)
+HELLO_F_NO_AES = 0x02  # the initiator's CPU lacks AES instructions: prefer ChaCha20-Poly1305
+HELLO_KNOWN_FLAGS = HELLO_F_PLAIN | HELLO_F_NO_AES
+
 
 class Code(enum.IntEnum):
     """Error codes carried in an ERROR frame's imm field."""
 
-    VERSION = 1
+    VERSION = 2
     BAD_HELLO = 2
     PEER_REFUSED = 3
     AUTH_FAILED = 4
@@ -109,6 +130,7 @@ class Code(enum.IntEnum):
     MISALIGNED = 11
     NOT_ALLOWED = 12
     SHUTDOWN = 13
+    PROTECTION = 14
 
 
 class WireError(Exception):
@@ -157,16 +179,16 @@ def unpack_header(buf: bytes | bytearray | memoryview, pos: int = 0) -> Frame:
 class Hello:
     version: int
     role: int
-    nonce: bytes
+    public: bytes  # the initiator's ephemeral X25519 public key
     session_id: bytes
     flags: int = 0
 
     def pack(self) -> bytes:
-        return HELLO.pack(HELLO_MAGIC, self.version, self.role, self.flags, 0, self.nonce, self.session_id)
+        return HELLO.pack(HELLO_MAGIC, self.version, self.role, self.flags, 0, self.public, self.session_id)
 
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> Hello:
-        magic, version, role, flags, reserved, nonce, session_id = HELLO.unpack_from(raw)
+        magic, version, role, flags, reserved, public, session_id = HELLO.unpack_from(raw)
         if magic != HELLO_MAGIC:
             raise WireError(Code.BAD_HELLO, f"bad magic {bytes(magic)!r}: not an rpmemfs initiator")
         if version != VERSION:
@@ -175,11 +197,11 @@ class Hello:
             )
         if role not in (Role.CONTROL, Role.LANE):
             raise WireError(Code.BAD_HELLO, f"unknown role {role}")
-        if flags or reserved:
+        if flags & ~HELLO_KNOWN_FLAGS or reserved:
             raise WireError(Code.BAD_HELLO, "reserved HELLO fields are not zero")
         if role == Role.LANE and session_id == NO_SESSION:
             raise WireError(Code.BAD_HELLO, "a lane HELLO must name its session")
-        return cls(version, role, bytes(nonce), bytes(session_id), flags)
+        return cls(version, role, bytes(public), bytes(session_id), flags)
 
 
 def encode_flush(ranges: list[tuple[int, int]]) -> bytes:

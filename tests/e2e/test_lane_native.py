@@ -290,7 +290,7 @@ def test_control_requests_on_a_lane_are_answered_in_order_between_data_frames(
                 more = os.urandom(50)
                 ticket = lane.post_barrier(region, [(500_000 + 64 * i, more)])
                 info = json.loads(await lane.recv())
-                assert info["ok"] and info["wire_version"] == 1 and info["method"] == "gpspm", info
+                assert info["ok"] and info["wire_version"] == 2 and info["method"] == "gpspm", info
                 await lane.wait(ticket)
                 model[500_000 + 64 * i : 500_000 + 64 * i + 50] = more
                 writes += 1
@@ -635,11 +635,18 @@ def test_sigterm_with_lanes_waiting_in_c_threads_exits_cleanly(scratch: Path) ->
 # --------------------------------------------------------------------------- 7. split frames
 
 
-def _dribble(sock: socket.socket, data: bytes, rng: random.Random, small: bool) -> None:
+def _dribble(raw: RawConn, data: bytes, rng: random.Random, small: bool) -> None:
+    """Each piece of ``data`` in a record of its own (frames cut across records), and each
+    record in two sends (records cut across segments)."""
+    assert raw.records is not None
     pos = 0
     while pos < len(data):
         n = rng.randint(1, 7) if small else rng.randint(1, 3000)
-        sock.sendall(data[pos : pos + n])
+        record = raw.records.seal(data[pos : pos + n])
+        cut = rng.randint(1, len(record) - 1)
+        raw.sock.sendall(record[:cut])
+        time.sleep(0.0002)
+        raw.sock.sendall(record[cut:])
         pos += n
         time.sleep(0.0005 if small else 0.0002)
 
@@ -668,12 +675,12 @@ def test_frames_split_into_tiny_sends_are_placed_and_truncation_is_logged(
         tail = (flush_frame(key, [(3, len(small)), (5000, 5), (2048, 8), (8191, len(large))], 4)
                 + hdr(Op.READ, key, 0, 8 * KiB, id_=5)
                 + hdr(Op.READ, key, 0, 8, id_=6, flags=F_FLUSH))
-        _dribble(lane.sock, head, rng, small=True)
+        _dribble(lane, head, rng, small=True)
         # A large payload in sends of up to 3000 bytes, its header cut in two.
         frame = hdr(Op.WRITE, key, 8191, len(large), id_=7) + large
-        _dribble(lane.sock, frame[:13], rng, small=True)
-        _dribble(lane.sock, frame[13:], rng, small=False)
-        _dribble(lane.sock, tail, rng, small=True)
+        _dribble(lane, frame[:13], rng, small=True)
+        _dribble(lane, frame[13:], rng, small=False)
+        _dribble(lane, tail, rng, small=True)
         expect = bytearray(8 * KiB)
         expect[3 : 3 + len(small)] = small
         expect[2048:2056] = value.to_bytes(8, "little")
@@ -701,7 +708,7 @@ def test_frames_split_into_tiny_sends_are_placed_and_truncation_is_logged(
         ]
         for n, data in enumerate(cuts):
             cut = raw_lane(t.address, sid)
-            _dribble(cut.sock, data[:40], rng, small=True)
+            _dribble(cut, data[:40], rng, small=True)
             cut.send(data[40:])
             if data[0] == Op.READ:
                 # Consumed, so that our close is a FIN, not a reset for unread data.

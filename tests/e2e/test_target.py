@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rawwire
 import trio
 
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.tools.processes import SpawnError, TargetProcess
-from rpmemfs.transport import TcpSession, TransportError, auth, barrier, connect
+from rpmemfs.transport import TcpSession, TransportError, barrier, connect
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.tokens import key_id, local_token
 from rpmemfs.transport.wire import (
@@ -39,6 +40,7 @@ from rpmemfs.transport.wire import (
     MAX_FLUSH_RANGES,
     NO_SESSION,
     VERSION,
+    Cipher,
     Code,
     Frame,
     Hello,
@@ -120,25 +122,29 @@ def token_target(scratch: Path) -> Iterator[Running]:
 
 
 class RawConn:
-    """A blocking socket speaking (or abusing) the wire format by hand."""
+    """A blocking socket speaking (or abusing) the wire format by hand: once its handshake
+    is done, what it sends is sealed into records (tests/e2e/rawwire.py), so a target sees
+    the bad frames themselves, not a bad record."""
 
     def __init__(self, address: str) -> None:
         host, port = parse_address(address)
         self.sock = socket.create_connection((host, port), timeout=5)
         self.buf = b""
+        self.records: rawwire.Records | None = None
+        self.cipher = Cipher.NONE  # what the target chose in its CHALLENGE
 
     def close(self) -> None:
         self.sock.close()
 
     def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        self.sock.sendall(self.records.seal(data) if self.records is not None else data)
 
     def _exact(self, n: int) -> bytes:
         while len(self.buf) < n:
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise EOFError(f"closed after {len(self.buf)} of {n} bytes")
-            self.buf += chunk
+            self.buf += self.records.feed(chunk) if self.records is not None else chunk
         out, self.buf = self.buf[:n], self.buf[n:]
         return out
 
@@ -146,18 +152,21 @@ class RawConn:
         frame = unpack_header(self._exact(HEADER.size))
         return frame, self._exact(frame.length)
 
-    def handshake(self, token: bytes | None = None, role: Role = Role.CONTROL, sid: bytes = NO_SESSION
-                  ) -> bytes:
+    def handshake(self, token: bytes | None = None, role: Role = Role.CONTROL, sid: bytes = NO_SESSION,
+                  flags: int = 0) -> bytes:
         """As an initiator: a control connection names its token, a lane its session ``sid``.
         The token by default: the one the test run's targets generate."""
         token = token if token is not None else local_token()
         assert token is not None
-        cnonce = auth.nonce()
-        self.send(Hello(VERSION, role, cnonce, key_id(token) if role == Role.CONTROL else sid).pack())
+        mine, hello = rawwire.hello(role, key_id(token) if role == Role.CONTROL else sid, flags=flags)
+        self.send(hello)
         frame, payload = self.frame()
         assert frame.op == Op.CHALLENGE, (frame, payload)
-        snonce = payload[:32]
-        self.send(Frame(Op.AUTH, length=32).pack() + auth.initiator_proof(token, cnonce, snonce))
+        self.cipher = Cipher(frame.imm)
+        answer, records, genuine = rawwire.answer_challenge(token, mine, hello, frame, payload)
+        assert genuine
+        self.send(answer)  # in the clear, as the AUTH is: sealed is what follows it
+        self.records = records
         frame, payload = self.frame()
         assert frame.op == Op.OK, (frame, payload)
         return payload[:16]
@@ -226,7 +235,8 @@ def test_initiator_tells_the_target_is_not_genuine() -> None:
             hello = b""
             while len(hello) < HELLO.size:
                 hello += conn.recv(HELLO.size - len(hello))
-            conn.sendall(Frame(Op.CHALLENGE, length=64).pack() + os.urandom(64))
+            challenge = Frame(Op.CHALLENGE, length=64, imm=Cipher.AES_256_GCM).pack()
+            conn.sendall(challenge + rawwire.hello(Role.CONTROL, NO_SESSION)[0].public + os.urandom(32))
             conn.settimeout(5)
             try:
                 got.append(conn.recv(4096))
@@ -236,7 +246,7 @@ def test_initiator_tells_the_target_is_not_genuine() -> None:
     thread = threading.Thread(target=impostor, daemon=True)
     thread.start()
     try:
-        with pytest.raises(TransportError, match="not the genuine target, or it was given a different token"):
+        with pytest.raises(TransportError, match="not the genuine target, it was given a different token"):
             run(connect, f"127.0.0.1:{listener.getsockname()[1]}", TOKEN)
         thread.join(10)
         assert got == [b""]  # the initiator closed without answering the challenge
@@ -247,14 +257,16 @@ def test_initiator_tells_the_target_is_not_genuine() -> None:
 def test_target_refuses_a_wrong_answer_to_its_challenge(token_target: Running) -> None:
     raw = RawConn(token_target.address)
     try:
-        cnonce = auth.nonce()
-        raw.send(Hello(VERSION, Role.CONTROL, cnonce, key_id(TOKEN)).pack())
+        mine, hello = rawwire.hello(Role.CONTROL, key_id(TOKEN))
+        raw.send(hello)
         frame, payload = raw.frame()
         assert frame.op == Op.CHALLENGE
         # The target proved itself with the real token...
-        assert auth.same(payload[32:], auth.target_proof(TOKEN, cnonce, payload[:32]))
+        _, raw.records, genuine = rawwire.answer_challenge(TOKEN, mine, hello, frame, payload)
+        assert genuine
         # ... and refuses an initiator that answers with another one.
-        raw.send(Frame(Op.AUTH, length=32).pack() + auth.initiator_proof(b"guess", cnonce, payload[:32]))
+        wrong, _, _ = rawwire.answer_challenge(b"guess", mine, hello, frame, payload)
+        raw.sock.sendall(wrong)
         code, reason = raw.closed_with_error()
         assert code == Code.AUTH_FAILED and "authentication failed" in reason
     finally:
@@ -265,13 +277,15 @@ def _wrong_guess(address: str) -> float:
     """One handshake answering the challenge with a wrong token: seconds until refused."""
     raw = RawConn(address)
     try:
-        cnonce = auth.nonce()
-        raw.send(Hello(VERSION, Role.CONTROL, cnonce, key_id(TOKEN)).pack())
+        mine, hello = rawwire.hello(Role.CONTROL, key_id(TOKEN))
+        raw.send(hello)
         frame, payload = raw.frame()
         assert frame.op == Op.CHALLENGE
         started = time.monotonic()
-        guess = auth.initiator_proof(os.urandom(32), cnonce, payload[:32])
-        raw.send(Frame(Op.AUTH, length=32).pack() + guess)
+        # The refusal comes sealed under the target's keys, which the real token gives.
+        _, raw.records, _ = rawwire.answer_challenge(TOKEN, mine, hello, frame, payload)
+        guess, _, _ = rawwire.answer_challenge(os.urandom(32), mine, hello, frame, payload)
+        raw.sock.sendall(guess)
         code, _ = raw.closed_with_error()
         assert code == Code.AUTH_FAILED
         return time.monotonic() - started
@@ -307,12 +321,16 @@ def test_a_replayed_target_proof_does_not_authenticate(token_target: Running) ->
     """Reflection: offering the target's own challenge as a nonce yields nothing usable."""
     a, b = RawConn(token_target.address), RawConn(token_target.address)
     try:
-        na = auth.nonce()
-        a.send(Hello(VERSION, Role.CONTROL, na, key_id(TOKEN)).pack())
-        _, pa = a.frame()
-        b.send(Hello(VERSION, Role.CONTROL, pa[:32], key_id(TOKEN)).pack())
+        mine, hello_a = rawwire.hello(Role.CONTROL, key_id(TOKEN))
+        a.send(hello_a)
+        frame_a, pa = a.frame()
+        # b offers the target's own public key (from a's challenge) as its own
+        hello_b = Hello(VERSION, Role.CONTROL, pa[:32], key_id(TOKEN)).pack()
+        b.send(hello_b)
         _, pb = b.frame()
-        a.send(Frame(Op.AUTH, length=32).pack() + pb[32:])
+        _, a.records, genuine = rawwire.answer_challenge(TOKEN, mine, hello_a, frame_a, pa)
+        assert genuine
+        a.sock.sendall(Frame(Op.AUTH, length=32).pack() + pb[32:])
         assert a.closed_with_error()[0] == Code.AUTH_FAILED
     finally:
         a.close()
@@ -506,8 +524,7 @@ def _pre_auth_cases() -> list[tuple[str, bytes, int | None]]:
 def test_a_lane_must_name_a_live_session(open_target: Running) -> None:
     raw = RawConn(open_target.address)
     try:
-        cnonce = auth.nonce()
-        raw.send(Hello(VERSION, Role.LANE, cnonce, b"s" * 16).pack())
+        raw.send(rawwire.hello(Role.LANE, b"s" * 16)[1])
         # Refused at once: there is no session whose token it could prove.
         code, reason = raw.closed_with_error()
         assert code == Code.BAD_SESSION and "no live session" in reason
@@ -608,7 +625,8 @@ def test_malformed_frames_close_only_their_connection(open_target: Running) -> N
     run(main)
     log = open_target.proc.log_text()
     for reason in ("closing lane: unknown op 0x7e", "closing lane: truncated frame", "bad magic",
-                   "closing lane: WRITE with unregistered key", "initiator speaks wire version 8"):
+                   "closing lane: WRITE with unregistered key",
+                   f"initiator speaks wire version {VERSION + 7}"):
         assert reason in log, f"no logged reason {reason!r}"
 
 

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rawwire
 import trio
 
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pool.layout import Header
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport import RemoteRegion, TcpSession, TransportError, auth, barrier, connect
-from rpmemfs.transport.wire import HELLO_SIZE, Frame, Hello, Op
+from rpmemfs.transport import RemoteRegion, TcpSession, TransportError, barrier, connect
+from rpmemfs.transport.wire import HELLO_SIZE, Frame, Op
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -370,13 +371,12 @@ async def _silent_target(listener: trio.socket.SocketType) -> None:
 
     async def serve(sock: trio.socket.SocketType) -> None:
         with sock:
-            hello = Hello.unpack(await exactly(sock, HELLO_SIZE))
-            server_nonce = auth.nonce()
-            proof = auth.target_proof(SILENT_TOKEN, hello.nonce, server_nonce)
-            await sock.send(Frame(Op.CHALLENGE, length=64).pack() + server_nonce + proof)
+            challenge, records = rawwire.challenge_for(SILENT_TOKEN, await exactly(sock, HELLO_SIZE))
+            await sock.send(challenge)
             await exactly(sock, 64)  # AUTH header + proof: this peer believes anyone
+            assert records is not None
             ok = b"s" * 16 + b'{"method": "gpspm"}'
-            await sock.send(Frame(Op.OK, length=len(ok)).pack() + ok)
+            await sock.send(records.seal(Frame(Op.OK, length=len(ok)).pack() + ok))
             while await sock.recv(65536):
                 pass
 

@@ -14,6 +14,11 @@ Per method the timed operations are, each on its own, awaited one after another:
   `ReplicaSet.barrier(ranges)`, which is what the filesystem calls at a durability point.
 
 Rounds interleave the two methods so drifting load on a shared machine hits both.
+
+With `--protection` each method runs twice, against two target daemons: one with wire
+protection (the default: every byte sealed, docs/wire.md) and one started with
+`--wire-protection none` and reached in plaintext (`apm-plain`, `gpspm-plain`), rounds
+interleaved over all four, and the ratios of their p50s are printed.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.machine import describe, one_line
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.processes import TargetProcess
+from rpmemfs.transport import protection
 from rpmemfs.transport.base import Lane, RemoteRegion
 
 KIB = 1 << 10
@@ -54,6 +60,11 @@ METHODS: dict[str, tuple[str | None, str | None]] = {
     "apm": ("force", "apm"),
     "gpspm": (None, None),
 }
+PLAIN = "-plain"  # a variant of a method whose both ends run with wire protection none
+
+
+def _method(variant: str) -> str:
+    return variant.removesuffix(PLAIN)
 
 READ = "read 8 B"
 B1x4K = "1x4K"
@@ -124,8 +135,8 @@ async def _one_method(method: str, address: str, pm: PoolMapping, iterations: di
         if replica.state is not ReplicaState.IN_SYNC or replica.region is None:
             raise RuntimeError(f"{spec}: {replica.last_error or replica.state}")
         region: RemoteRegion = replica.region
-        if region.method != method:
-            raise RuntimeError(f"{spec}: target advertises {region.method}, expected {method}")
+        if region.method != _method(method):
+            raise RuntimeError(f"{spec}: target advertises {region.method}, expected {_method(method)}")
         lane: Lane = replica.lanes[0]
 
         async def read(_: int) -> None:
@@ -160,7 +171,7 @@ def _result(method: str, case: str, samples: list[int], data_off: int) -> CaseRe
 
 
 def run(base_dir: Path, quick: bool, small: int | None, large: int | None,
-        rounds: int, keep: bool) -> MicroResult:
+        rounds: int, keep: bool, plain_too: bool = False) -> MicroResult:
     n_small = small if small is not None else (200 if quick else 2000)
     n_large = large if large is not None else (30 if quick else 300)
     iterations = {READ: n_small, B1x4K: n_small, B16x4K: n_small, B1x1M: n_large}
@@ -173,10 +184,13 @@ def run(base_dir: Path, quick: bool, small: int | None, large: int | None,
          f"{rounds} rounds per method")
     daemons: dict[str, TargetProcess] = {}
     try:
-        for method, (pmem, persist) in METHODS.items():
+        methods = [v for m in METHODS for v in ((m, m + PLAIN) if plain_too else (m,))]
+        for method in methods:
+            pmem, persist = METHODS[_method(method)]
             pool_dir = workdir / f"target-{method}"
             pool_dir.mkdir()
-            daemons[method] = TargetProcess(pool_dir, pmem=pmem, persist=persist,
+            extra = ("--wire-protection", "none") if method.endswith(PLAIN) else ()
+            daemons[method] = TargetProcess(pool_dir, pmem=pmem, persist=persist, extra=extra,
                                             log_level="warning",
                                             log_path=workdir / f"target-{method}.log")
             daemons[method].start()
@@ -190,13 +204,21 @@ def run(base_dir: Path, quick: bool, small: int | None, large: int | None,
             # Something other than zeros, though nothing reads it back.
             pm.buf[hdr.data_off:end] = os.urandom(end - hdr.data_off)
             samples: dict[tuple[str, str], list[int]] = {}
-            methods = list(METHODS)
+            saved = os.environ.get(protection.ENV)
             for round_no in range(rounds):
-                order = methods[round_no % 2:] + methods[:round_no % 2]
+                k = round_no % len(methods)
+                order = methods[k:] + methods[:k]
                 for method in order:
                     note(f"micro: round {round_no + 1}/{rounds}: {method}")
-                    trio.run(_one_method, method, daemons[method].address, pm, iterations,
-                             warmup, rounds, samples, round_no)
+                    protection.set_initiator("none" if method.endswith(PLAIN) else "aead")
+                    try:
+                        trio.run(_one_method, method, daemons[method].address, pm, iterations,
+                                 warmup, rounds, samples, round_no)
+                    finally:
+                        if saved is None:
+                            os.environ.pop(protection.ENV, None)
+                        else:
+                            os.environ[protection.ENV] = saved
             for method in methods:
                 for case in CASES:
                     result.cases.append(_result(method, case, samples[(method, case)],
@@ -226,7 +248,8 @@ def render(result: MicroResult) -> str:
               "p50 - read p50"]
     rows: list[list[str]] = []
     ratio_lines: list[str] = []
-    for method in METHODS:
+    variants = list(dict.fromkeys(c.method for c in result.cases))
+    for method in variants:
         floor = result.get(method, READ)
         for case in CASES:
             c = result.get(method, case)
@@ -238,6 +261,13 @@ def render(result: MicroResult) -> str:
         one, many = result.get(method, B1x4K), result.get(method, B16x4K)
         if one is not None and many is not None:
             ratio_lines.append(f"  {method}: 16x4K/1x4K p50 = {many.p50_us / one.p50_us:.2f}x")
+        if method.endswith(PLAIN):
+            sealed = {c.case: c for c in result.cases if c.method == _method(method)}
+            plain = {c.case: c for c in result.cases if c.method == method}
+            ratio_lines.append(
+                f"  {_method(method)}: protected/plain p50 = " + ", ".join(
+                    f"{case} {sealed[case].p50_us / plain[case].p50_us:.2f}x"
+                    for case in CASES if case in sealed and case in plain))
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -266,6 +296,8 @@ def render(result: MicroResult) -> str:
         "8-byte read;",
         "gpspm: target with defaults, flush = SEND of the range list. MB/s = bytes per "
         "barrier / mean latency, 1 MB = 10^6 bytes.",
+        *(["-plain: the same with wire protection none on both ends (the others are sealed, "
+           "the default)."] if any(v.endswith(PLAIN) for v in variants) else []),
     ])
 
 
@@ -286,13 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, metavar="FILE", dest="json_path",
                    help="also write every number to FILE as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--protection", action="store_true",
+                   help="also run each method in plaintext (--wire-protection none on both "
+                        "ends) and print protected/plain ratios")
     args = p.parse_args(argv)
     for name in ("iterations", "large_iterations", "rounds"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     result = run(args.dir, args.quick, args.iterations, args.large_iterations, args.rounds,
-                 args.keep)
+                 args.keep, args.protection)
     print(render(result), flush=True)
     if args.json_path is not None:
         args.json_path.write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")

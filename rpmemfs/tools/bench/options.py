@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rpmemfs.cliparse import ArgumentParser
-from rpmemfs.tools.bench.targets import DEFAULT_TARGETS, REPLICA_TARGETS, TARGET_NAMES
+from rpmemfs.tools.bench.targets import DEFAULT_TARGETS, PROTECTION_TARGETS, REPLICA_TARGETS, TARGET_NAMES
 from rpmemfs.tools.bench.workloads import WORKLOADS
 
 MOUNT100K = "mount100k"
@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", action="store_true",
                    help=f"compare 0, 1 and 2 replicas: the targets {', '.join(REPLICA_TARGETS)} "
                         "(the replicas are target daemons started on loopback)")
+    p.add_argument("--protection", action="store_true",
+                   help=f"compare one replica with wire protection on and off: the targets "
+                        f"{', '.join(PROTECTION_TARGETS)} (docs/wire.md)")
     p.add_argument("--micro", action="store_true",
                    help="run the replication microbenchmark below FUSE instead "
                         "(barrier latency per persistence method; see "
@@ -101,10 +104,14 @@ def parse(argv: list[str]) -> Options:
         parser.error("--only selected nothing to run")
 
     targets: tuple[str, ...] = DEFAULT_TARGETS
-    if args.replicas and args.targets is not None:
-        parser.error("--replicas selects the targets itself; drop --targets")
+    chosen = [flag for flag, on in (("--replicas", args.replicas), ("--protection", args.protection),
+                                    ("--targets", args.targets is not None)) if on]
+    if len(chosen) > 1:
+        parser.error(f"{' and '.join(chosen)} each select the targets; give one of them")
     if args.replicas:
         targets = tuple(n for n in TARGET_NAMES if n in REPLICA_TARGETS)
+    elif args.protection:
+        targets = tuple(n for n in TARGET_NAMES if n in PROTECTION_TARGETS)
     elif args.targets is not None:
         wanted = [n.strip() for n in args.targets.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in TARGET_NAMES]

@@ -36,9 +36,10 @@ PASSTHROUGH_XATTR = "passthrough-xattr"
 PLAIN = "plain"
 RPMEMFS_1REP = "rpmemfs-1rep"
 RPMEMFS_2REP = "rpmemfs-2rep"
+RPMEMFS_1REP_PLAIN = "rpmemfs-1rep-plain"
 
 # Every target, in the order columns are printed.
-TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP, RPMEMFS_NOXATTR, RPMEMFS_NOPOLL,
+TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_1REP_PLAIN, RPMEMFS_2REP, RPMEMFS_NOXATTR, RPMEMFS_NOPOLL,
                 RPMEMFS_WBCACHE, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
 # The writeback cache changes what a write means (it returns before the daemon sees
 # the data), so it is not part of the like-for-like comparison and runs on request; so does
@@ -47,6 +48,11 @@ DEFAULT_TARGETS = (RPMEMFS, RPMEMFS_NOXATTR, PASSTHROUGH, PASSTHROUGH_XATTR, PLA
 # What `--replicas` selects: the cost of replication, 0, 1 and 2 replicas. The replicated
 # targets start their own target daemons on loopback, so they run only when named.
 REPLICA_TARGETS = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP)
+# What `--protection` selects: one replica with its traffic protected (the default) and the
+# same in plaintext (--wire-protection none on both ends), in one run.
+PROTECTION_TARGETS = (RPMEMFS_1REP, RPMEMFS_1REP_PLAIN)
+# Replicated targets whose both ends run with wire protection none.
+PLAINTEXT = {RPMEMFS_1REP_PLAIN}
 
 # The target daemons of a replicated target, in order: (--pmem, --persist) each, None
 # meaning the daemon's default. The first replica is an appliance-style target (apm: a
@@ -54,6 +60,7 @@ REPLICA_TARGETS = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP)
 # is a SEND of the range list, persisted by the target).
 REPLICA_DAEMONS: dict[str, tuple[tuple[str | None, str | None], ...]] = {
     RPMEMFS_1REP: (("force", "apm"),),
+    RPMEMFS_1REP_PLAIN: (("force", "apm"),),
     RPMEMFS_2REP: (("force", "apm"), (None, None)),
 }
 
@@ -63,6 +70,7 @@ RPMEMFS_OPTIONS = {
     RPMEMFS_WBCACHE: "pmem=force,writeback_cache",
     RPMEMFS_NOPOLL: "pmem=force,noxattr,poll_us=0",
     RPMEMFS_1REP: "pmem=force",
+    RPMEMFS_1REP_PLAIN: "pmem=force,wire_protection=none",
     RPMEMFS_2REP: "pmem=force",
 }
 
@@ -79,6 +87,8 @@ TARGET_SUMMARIES = {
     PLAIN: "the backing directory itself, no FUSE",
     RPMEMFS_1REP: "rpmemfs -o pmem=force with 1 replica: a target daemon on loopback "
                   "(--pmem force --persist apm)",
+    RPMEMFS_1REP_PLAIN: "rpmemfs-1rep with its replica traffic in plaintext (target "
+                        "--wire-protection none, mount -o wire_protection=none)",
     RPMEMFS_2REP: "rpmemfs -o pmem=force with 2 replicas: target daemons on loopback, "
                   "one --pmem force --persist apm, one default (gpspm)",
 }
@@ -96,8 +106,9 @@ class Target:
 TargetFactory = Callable[[Path, str], AbstractContextManager[Target]]
 
 
-def mkfs(pool: Path, size: str, replicas: tuple[str, ...] = ()) -> None:
-    run_rpmemfs("mkfs", pool, "--size", size, *(arg for spec in replicas for arg in ("--replica", spec)))
+def mkfs(pool: Path, size: str, replicas: tuple[str, ...] = (), plaintext: bool = False) -> None:
+    run_rpmemfs("mkfs", pool, "--size", size, *(arg for spec in replicas for arg in ("--replica", spec)),
+                *(("--wire-protection", "none") if plaintext else ()))
 
 
 @contextmanager
@@ -143,6 +154,7 @@ def replicated_target(name: str, workdir: Path, pool_size: str) -> Iterator[Targ
             pool_dir = workdir / f"{name}-target{i}"
             pool_dir.mkdir()
             daemon = TargetProcess(pool_dir, pmem=pmem, persist=persist,
+                                   extra=("--wire-protection", "none") if name in PLAINTEXT else (),
                                    log_path=workdir / f"{name}-target{i}.log")
             stack.callback(daemon.close)
             stack.callback(daemon.stop)
@@ -151,7 +163,7 @@ def replicated_target(name: str, workdir: Path, pool_size: str) -> Iterator[Targ
             except SpawnError as exc:
                 raise SpawnError(f"{name}: target daemon {i} did not start: {exc}") from None
             specs.append(f"{address}/{name}-r{i}")
-        mkfs(pool, pool_size, tuple(specs))
+        mkfs(pool, pool_size, tuple(specs), plaintext=name in PLAINTEXT)
         with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log,
                             RPMEMFS_OPTIONS[name]) as mnt:
             yield Target(mnt, log)
@@ -186,5 +198,6 @@ TARGETS: dict[str, TargetFactory] = {
     PASSTHROUGH_XATTR: partial(passthrough_target, PASSTHROUGH_XATTR),
     PLAIN: plain_target,
     RPMEMFS_1REP: partial(replicated_target, RPMEMFS_1REP),
+    RPMEMFS_1REP_PLAIN: partial(replicated_target, RPMEMFS_1REP_PLAIN),
     RPMEMFS_2REP: partial(replicated_target, RPMEMFS_2REP),
 }
