@@ -139,6 +139,9 @@ class TargetProcess:
 
     def start(self, timeout: float = 20.0) -> str:
         """Start it and wait for its listening line; returns HOST:PORT. SpawnError if it fails."""
+        if self.running:
+            # A second daemon would be started and the first one leaked (`with` starts it).
+            raise SpawnError(f"the target on {self.address} is already running")
         if self._log_path is not None:
             self._log = open(self._log_path, "w+b")  # noqa: SIM115 - lives as long as the process
         else:

@@ -153,8 +153,7 @@ def test_the_old_primary_rejoins_as_a_replica_of_the_new_one(
     a_dir = work_dir / "node-a"
     a_dir.mkdir()
     os.replace(pool, a_dir / "app")
-    with TargetProcess(a_dir, pmem="force", log_path=work_dir / "node-a.log") as ta:
-        ta.start()
+    with TargetProcess(a_dir, pmem="force", log_path=work_dir / "node-a.log") as ta:  # (started)
         res = cli("replica", "add", q.path, f"{ta.address}/app", "--json")
         assert res.returncode == 0, res.stderr
         added = json.loads(res.stdout)
@@ -180,8 +179,7 @@ def test_a_dead_replica_is_replaced(work_dir: Path, targets: list[TargetProcess]
     assert cli("replica", "remove", m.path, f"{targets[1].address}/app").returncode == 0
     d = work_dir / "node-c"
     d.mkdir()
-    with TargetProcess(d, pmem="msync", log_path=work_dir / "node-c.log") as tc:
-        tc.start()
+    with TargetProcess(d, pmem="msync", log_path=work_dir / "node-c.log") as tc:  # (started)
         res = cli("replica", "add", m.path, f"{tc.address}/app")
         assert res.returncode == 0, res.stderr
         assert _states(m.path) == ["in-sync", "in-sync"]
