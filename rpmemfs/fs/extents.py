@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 
 from rpmemfs.fs import records as R
-from rpmemfs.fs.alloc import OutOfSpace
 from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.filesystem import MAX_FILE_SIZE, NT_MIN, Filesystem, NeedSync
 from rpmemfs.fs.inode import Inode
@@ -100,12 +99,7 @@ class Extents:
         missing = [b for b in range(first, last + 1) if b not in blocks] if need else []
         runs: list[tuple[int, int]] = []
         if missing:
-            try:
-                runs = fs.alloc.alloc(len(missing))
-            except OutOfSpace as e:
-                if e.pending:
-                    raise NeedSync from None
-                raise FsError(errno.ENOSPC) from None
+            runs = fs.alloc_blocks(len(missing))
         # (file block, pool block) of every block that reads as zeros when this is done and
         # was not written: the new ones, and with ZERO_RANGE the whole blocks mapped already.
         pairs = list(zip(missing, (pb + k for pb, n in runs for k in range(n)), strict=True))

@@ -877,6 +877,16 @@ class Filesystem:
             if not uw:
                 del self.unwritten[ino]
 
+    def alloc_blocks(self, n: int) -> list[tuple[int, int]]:
+        """``n`` free blocks as (first, count) runs; NeedSync when enough would be free once
+        the blocks freed since the last durability point are reusable, else ENOSPC."""
+        try:
+            return self.alloc.alloc(n)
+        except OutOfSpace as e:
+            if e.pending:
+                raise NeedSync from None
+            raise FsError(errno.ENOSPC) from None
+
     def _write_slow(self, node: Inode, off: int, data: bytes | memoryview) -> None:
         n = len(data)
         end = off + n
@@ -885,12 +895,7 @@ class Filesystem:
         last = (end - 1) >> BLOCK_SHIFT
         missing = [b for b in range(fb0, last + 1) if b not in blocks]
         if missing:
-            try:
-                runs = self.alloc.alloc(len(missing))
-            except OutOfSpace as e:
-                if e.pending:
-                    raise NeedSync from None
-                raise FsError(errno.ENOSPC) from None
+            runs = self.alloc_blocks(len(missing))
             gaps = sum(1 for i in range(1, len(missing)) if missing[i] != missing[i - 1] + 1)
             try:
                 self._room((len(runs) + gaps) * R.MAP.size + R.INODE.size)

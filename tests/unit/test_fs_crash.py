@@ -214,6 +214,12 @@ def test_crash_with_evicted_cache_lines_corrupts_nothing_synced(seed: int) -> No
     is still one the program went through, and synced changes are all there."""
     w = Workload(100 + seed)
     w.run(150)
+    crash_with_evictions(w, seed)
+
+
+def crash_with_evictions(w: Workload, seed: int) -> None:
+    """After every operation of a run workload, crash with 10%, half and all of the lines it
+    stored but did not persist on the media anyway; each crash checked by the workload."""
     w.buffers[len(w.states) - 1] = bytearray(w.fs.buf)
     rng = random.Random(seed)
     for at, buf in sorted(w.buffers.items()):

@@ -12,8 +12,8 @@ import stat
 from collections.abc import Callable
 
 import pytest
-from mempool import MemPersister, durable, new_fs, reopen
-from test_fs_crash import Workload, crash_everywhere
+from mempool import durable, new_fs, reopen
+from test_fs_crash import Workload, crash_everywhere, crash_with_evictions
 
 from rpmemfs.fs import records as R
 from rpmemfs.fs.check import check
@@ -570,14 +570,7 @@ def test_crash_with_evicted_cache_lines_and_range_operations(seed: int) -> None:
     anyway: the state is still one the program went through."""
     w = RangeWorkload(200 + seed)
     w.run(120)
-    w.buffers[len(w.states) - 1] = bytearray(w.fs.buf)
-    rng = random.Random(seed)
-    for at, buf in sorted(w.buffers.items()):
-        calls = sum(1 for c in w.p.calls if c.tag <= at)
-        crash = MemPersister(buf, formatted=w.p.formatted, calls=w.p.calls[:calls])
-        for share in (0.1, 0.5, 1.0):
-            w.check_crash(crash.media(evict=share, rng=rng), w.last_synced(at + 1), at,
-                          f"seed {seed}, crash after operation {at}, {share:.0%} of lines evicted")
+    crash_with_evictions(w, seed)
 
 
 def test_crash_after_punch_and_reuse_never_shows_another_files_data() -> None:
