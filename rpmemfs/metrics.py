@@ -89,6 +89,9 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         ("rpmemfs_inodes", "files, directories and links", "inodes"),
         ("rpmemfs_min_replicas", "replicas in sync that fsync requires", "min_replicas"),
         ("rpmemfs_start_time_seconds", "when the mount started (unix time)", "started"),
+        ("rpmemfs_oldest_barrier_seconds", "how long the oldest barrier still waiting for replicas "
+         "has waited (a replica that stops answering shows here before replica_timeout)",
+         "oldest_barrier_s"),
     ):
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], float(st.get(key) or 0))

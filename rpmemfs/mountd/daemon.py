@@ -153,6 +153,8 @@ class Mounted:
             "fenced": self.fenced,
             "commit": self.committer.status() if self.committer is not None else {"seconds": 0},
             "replicas": self._replica_status(),
+            "oldest_barrier_s": (round(self.replicas.oldest_in_flight(), 3)
+                                 if self.replicas is not None else 0.0),
             "started": self.durability.stats.started,
         }
 

@@ -101,6 +101,10 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"  log      area {log.get('area')} gen {log.get('generation')}, "
                      f"{human(int(log.get('used', 0)))} of {human(int(log.get('capacity', 0)))}, "
                      f"{log.get('checkpoints')} checkpoints")
+    waited = st.get("oldest_barrier_s")
+    if isinstance(waited, (int, float)) and waited >= 1:
+        # A replica that stopped answering is still "in-sync" until replica_timeout.
+        lines.append(f"  waiting  a barrier has waited {waited:.1f} s for its replicas")
     replicas = st.get("replicas") or []
     if replicas:
         rows: list[tuple[str, ...]] = [("replica", "state", "lag", "sent", "barriers", "last error")]

@@ -12,6 +12,7 @@ This is the hot path of every fsync, so it is kept on its own: `Barriers` is the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import trio
@@ -37,7 +38,7 @@ class ReplicaError(ReplicationError):
         self.failed = failed
 
 
-@dataclass
+@dataclass(eq=False)
 class InFlight:
     """A barrier posted to the in-sync replicas, not yet complete."""
 
@@ -47,6 +48,7 @@ class InFlight:
     # The policy when it was posted: a replica that joins (and raises "all") meanwhile was
     # never sent this barrier, so it cannot be owed an acknowledgement of it.
     required: int
+    posted_at: float = 0.0  # time.monotonic() when posted: a hung replica shows as its age
 
 
 class Barriers:
@@ -72,6 +74,7 @@ class Barriers:
         self.syncmap = syncmap
         self.lock = lock or trio.Lock()
         self._inflight = 0
+        self._waiting: set[InFlight] = set()  # posted to some replica, not complete
         self._drained = trio.Event()
         # Where the pool starts, for the C code that builds and sends barriers; released
         # in ReplicaSet.aclose(), so the mapping can be closed afterwards.
@@ -132,7 +135,10 @@ class Barriers:
                 else:  # posting failed: the replica is stale now
                     self._mark([replica], ranges)
         self._inflight += 1
-        return InFlight(ranges, nbytes, posted, self.min_replicas)
+        flight = InFlight(ranges, nbytes, posted, self.min_replicas, time.monotonic())
+        if posted:
+            self._waiting.add(flight)
+        return flight
 
     async def complete(self, flight: InFlight) -> None:
         """Wait for a posted barrier; ReplicaError when too few replicas acknowledged it."""
@@ -163,6 +169,7 @@ class Barriers:
             # Before the fsync returns: what a replica that failed this barrier misses is in
             # the pool, so it gets just that when it is back, even after a restart here.
             self._mark([p.replica for p in flight.posted if p.replica not in acked], flight.ranges)
+            self._waiting.discard(flight)
             self._inflight -= 1
             if not self._inflight:
                 self._drained.set()
@@ -173,6 +180,14 @@ class Barriers:
     def _mark(self, replicas: list[Replica], ranges: list[tuple[int, int]]) -> None:
         if replicas and self.syncmap is not None:
             self.syncmap.mark([r.slot for r in replicas], ranges)
+
+    def oldest_in_flight(self) -> float:
+        """Seconds the oldest barrier still waiting for replicas has waited (0: none). A
+        replica that stops answering keeps its state until replica_timeout; this shows it
+        at once (status, metrics)."""
+        if not self._waiting:
+            return 0.0
+        return time.monotonic() - min(f.posted_at for f in self._waiting)
 
     async def drain(self) -> None:
         """Wait until no posted barrier is in flight (call with the barrier lock held)."""

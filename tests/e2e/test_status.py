@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 from conftest import MountPool
@@ -80,3 +81,31 @@ def test_status_of_what_is_not_an_rpmemfs_mount_is_unknown(work_dir: Path) -> No
     assert res.returncode == 3 and "not a mount point" in res.stderr, res
     res = cli("status", "/proc")
     assert res.returncode == 3 and "is not an rpmemfs mount (it is proc)" in res.stderr, res
+
+
+def test_a_replica_that_stops_answering_shows_at_once_as_a_waiting_barrier(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """A hung target is still "in-sync" until replica_timeout; the age of the barrier that
+    waits for it says so meanwhile (status, its table, and rpmemfs_oldest_barrier_seconds)."""
+    pool = work_dir / "app.pool"
+    res = cli("mkfs", pool, "--size", "64M", *(a for t in targets for a in ("--replica", f"{t.address}/app")))
+    assert res.returncode == 0, res.stderr
+    m = mount_pool(pool, options="pmem=force,replica_timeout=30")
+    write_fsync(m.path / "a", b"a" * 9000)
+    assert _status(m.path)[1]["oldest_barrier_s"] == 0
+    hung = targets[1]
+    assert hung.proc is not None
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (write_fsync(m.path / "b", b"b" * 9000), done.set()))
+    try:
+        writer.start()
+        assert wait_until(lambda: float(_status(m.path)[1]["oldest_barrier_s"]) >= 1.0, timeout=20)  # type: ignore[arg-type]
+        assert not done.is_set()  # the fsync waits for the hung replica (policy all)
+        table = cli("status", m.path)
+        assert "a barrier has waited" in table.stdout, table.stdout
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+    writer.join(60)
+    assert done.is_set()
+    assert wait_until(lambda: _status(m.path)[1]["oldest_barrier_s"] == 0)
