@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-from functools import partial
 
 import trio
 
@@ -28,7 +27,7 @@ from rpmemfs.target.control import ControlService
 from rpmemfs.target.lane_native import NativeLane
 from rpmemfs.target.pools import Pool, merge_ranges
 from rpmemfs.target.sessions import Region, TargetSession
-from rpmemfs.transport.sockio import SockIO
+from rpmemfs.transport.sockio import SockIO, record_error
 from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed, send_all
 from rpmemfs.transport.wire import (
     ATOMIC_SIZE,
@@ -62,11 +61,6 @@ MAX_DIRTY = 1024
 ERROR_SEND_TIMEOUT = 1.0
 # A flush's range list is read this many ranges at a time (what the staging buffer holds).
 FLUSH_CHUNK_RANGES = STAGING_SIZE // FLUSH_RANGE_SIZE
-
-
-def _sec_reason() -> str:
-    return ("a record failed authentication (changed, dropped, replayed or reordered in transit); "
-            "nothing of it was placed")
 
 
 class Violation(Exception):
@@ -156,8 +150,8 @@ class FrameLoop:
         except OSError as exc:
             if exc.errno in (errno.EBADMSG, errno.EPROTO):
                 # Nothing of the bad record was placed; the initiator sees the lane lost.
-                log.warning("peer %s: closing %s: %s", self._peer, self._what,
-                            exc.strerror if exc.errno != errno.EBADMSG else _sec_reason())
+                log.warning("peer %s: closing %s: %s; nothing of it was placed", self._peer,
+                            self._what, exc.strerror)
             else:
                 log.info("peer %s: %s lost: %s", self._peer, self._what, exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -183,7 +177,7 @@ class FrameLoop:
                 self._phase = "frame"
                 raise _Deadline
             if status == lib.RPM_LANE_SOCKET:
-                raise OSError(self._native.err, os.strerror(self._native.err))
+                raise record_error(-self._native.err)
             # CLOSED, TRUNCATED, or STOPPED (only after a cancellation, which the nursery
             # inside serve() has re-raised before we get here).
             raise PeerClosed(mid_frame=status == lib.RPM_LANE_TRUNCATED)
@@ -357,11 +351,11 @@ class FrameLoop:
         if pool.needs_thread(merged):
             self._io.arm(math.inf)  # a slow disk is not a stalled peer
             try:
-                await trio.to_thread.run_sync(partial(pool.persist, merged, counted=len(ranges)))
+                await trio.to_thread.run_sync(pool.persist, merged, len(ranges))
             finally:
                 self._frame_phase()
         else:
-            pool.persist(merged, counted=len(ranges))
+            pool.persist(merged, len(ranges))
 
     async def _control_request(self, frame: Frame) -> None:
         payload = await self._payload(frame, MAX_CONTROL)
@@ -407,4 +401,4 @@ class FrameLoop:
         self._dirty.clear()
         for pool, ranges in by_pool.items():
             if pool.buf.nbytes:  # a pool closed meanwhile was written back at close
-                pool.persist(ranges)
+                pool.persist(merge_ranges(ranges), len(ranges))

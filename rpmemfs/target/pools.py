@@ -125,14 +125,13 @@ class Pool:
         bound = THREAD_FLUSH_MIN if self.mapping.is_pmem else THREAD_PERSIST_MIN
         return sum(length for _, length in ranges) > bound
 
-    def persist(self, ranges: list[tuple[int, int]], *, counted: int | None = None) -> None:
-        """Persist ``ranges`` (merged first); ``counted`` is how many ranges the initiator
-        named, when the caller merged them already."""
-        merged = merge_ranges(ranges)
+    def persist(self, merged: list[tuple[int, int]], named: int) -> None:
+        """Persist ``merged`` (merge_ranges of the ``named`` ranges an initiator asked for:
+        callers merge once, to decide on a thread too), timed and counted."""
         started = time.monotonic_ns()
         self.mapping.persist(merged)
         self.counters.persisted(time.monotonic_ns() - started, sum(length for _, length in merged))
-        self.counters.add("persisted_ranges", len(ranges) if counted is None else counted)
+        self.counters.add("persisted_ranges", named)
 
     def acquire(self) -> None:
         self.users += 1

@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import trio
@@ -353,9 +352,9 @@ class VerbsService:
         try:
             merged = merge_ranges(request.ranges)
             if pool.needs_thread(merged):
-                await trio.to_thread.run_sync(partial(pool.persist, merged, counted=len(request.ranges)))
+                await trio.to_thread.run_sync(pool.persist, merged, len(request.ranges))
             else:
-                pool.persist(merged, counted=len(request.ranges))
+                pool.persist(merged, len(request.ranges))
         except OSError as exc:
             log.error("verbs: persisting pool %s failed: %s", pool.name, exc)
             return request.seq, exc.errno or errno.EIO, f"persist failed on the target: {exc}".encode()[:1000]

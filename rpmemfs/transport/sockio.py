@@ -108,7 +108,7 @@ class SockIO:
             return self.sock.recv_into(buf)
         got = self._sec_recv(buf, buf.nbytes)
         if got < 0:
-            raise _sec_error(got)
+            raise record_error(got)
         return int(got)
 
     async def recv_into(self, buf: memoryview, nbytes: int = 0) -> int:
@@ -138,7 +138,7 @@ class SockIO:
                 await self._wait(True)
                 continue
             if got < 0:
-                raise _sec_error(got)
+                raise record_error(got)
             await self._done()
             return int(got)
 
@@ -158,7 +158,7 @@ class SockIO:
             for c in keep:  # the exports end with the call (see _sec_recv)
                 ffi.release(c)
         if got < 0:
-            raise _sec_error(got)
+            raise record_error(got)
         return int(got)
 
     async def _send_sealed(self, bufs: Sequence[Buffer]) -> int:
@@ -173,7 +173,7 @@ class SockIO:
         while True:
             left = lib.rpm_sec_flush(self._sec, self.sock.fileno())
             if left < 0:
-                raise _sec_error(left)
+                raise record_error(left)
             if not left:
                 break
             await self._wait(False)
@@ -201,7 +201,8 @@ class SockIO:
             self.sock.close()
 
 
-def _sec_error(code: int) -> OSError:
+def record_error(code: int) -> OSError:
+    """The OSError of a record layer's -errno (its C code, or a lane loop's ``err``)."""
     err = -int(code)
     if err == errno.EAGAIN:
         return BlockingIOError(err, os.strerror(err))
