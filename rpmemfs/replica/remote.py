@@ -88,6 +88,11 @@ async def create_remote(
         except (TransportError, trio.TooSlowError):
             await _remove_quietly(session, region, timeout)
             raise
+        # Closed here, answered by the target, rather than by leaving the session: a session's
+        # end is handled by the target in its own time, and a caller that removes the pool
+        # next (a mkfs undoing a half-made set) would find it still open there.
+        with trio.fail_after(timeout):
+            await session.close_pool(region)
     return region
 
 
