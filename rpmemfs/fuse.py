@@ -47,6 +47,18 @@ TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+def session_fd() -> int:
+    """This process's /dev/fuse descriptor after pyfuse3.init() (-1 when there is none):
+    readable when a request waits. pyfuse3 does not expose it, and a daemon serves one mount."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                return int(name)
+        except OSError:  # closed meanwhile (listdir's own descriptor)
+            continue
+    return -1
+
+
 def errors(fn: F) -> F:
     """Turn filesystem errors into FUSE replies; anything unexpected becomes EIO, logged.
     Every request through here also restarts the daemon's polling budget."""
@@ -75,6 +87,11 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_dont_mask = True
     enable_handle_killpriv = False
+    # Read /dev/fuse before waiting on it (the patched binding): with several programs
+    # calling at once a request is nearly always queued already, and learning that through
+    # epoll cost more than the write itself (4 and 16 concurrent writers, no replicas:
+    # 2.2x the IOPS, under half the daemon's CPU time per write + fsync).
+    read_first = True
 
     def __init__(self, fs: Filesystem, durability: Durability, describe: Callable[[], dict[str, Any]],
                  xattrs: bool = True, poll_us: int = 0, writeback_cache: bool = False) -> None:

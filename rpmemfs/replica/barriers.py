@@ -71,6 +71,9 @@ class Barriers:
         self.min_replicas = min_replicas
         self.timeout = timeout
         self.spin_us = DEFAULT_SPIN_US
+        # A descriptor whose readiness means this thread has other work (the mount sets its
+        # /dev/fuse): a barrier stops polling for its replies then (see spin()).
+        self.spin_stop_fd = -1
         self.syncmap = syncmap
         self.lock = lock or trio.Lock()
         self._inflight = 0
@@ -153,7 +156,7 @@ class Barriers:
                 return
             # Poll all the completions together first: the common barrier completes here
             # without one scheduling round trip or wake-up.
-            spin([p.ticket for p in flight.posted], self.spin_budget(flight.nbytes))
+            spin([p.ticket for p in flight.posted], self.spin_budget(flight.nbytes), self.spin_stop_fd)
             pending: list[Posted] = []
             for p in flight.posted:
                 done = p.replica.poll(p)
