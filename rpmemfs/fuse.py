@@ -9,7 +9,10 @@ when the mount has xattrs: the kernel reads system.posix_acl_access through getx
 ext4 does beside the check is ours: ACLs and modes kept in step, default ACLs and setgid
 directories inherited, and the umask (FUSE_DONT_MASK: the kernel leaves it to us, as it
 must not apply under a default ACL). Setuid and setgid are cleared on write, truncate and
-chown by the kernel (HANDLE_KILLPRIV is not negotiated: write() is not told who writes).
+chown by us when the kernel says so (FUSE_HANDLE_KILLPRIV_V2, negotiated by the patched
+binding: the kernel checks CAP_FSETID and flags the request, we apply the rest of
+should_remove_suid); with it the kernel also stops asking for security.capability before
+every write.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ log = logging.getLogger("rpmemfs.fuse")
 STATUS_XATTR = b"user.rpmemfs.status"
 # File capabilities are not supported (as on a nosuid mount): the name is never stored, and
 # the patched pyfuse3 answers ENODATA for it without a coroutine (see absent_xattrs). The
-# kernel asks for it before every write, since libfuse 3.14 cannot negotiate
-# FUSE_HANDLE_KILLPRIV_V2 (which would let the kernel skip it).
+# kernel asks for it before a write to a setuid/setgid file, and before every write where
+# FUSE_HANDLE_KILLPRIV_V2 is not negotiated (kernels before 5.11).
 CAPABILITY_XATTR = b"security.capability"
 TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon anyway
 
@@ -87,6 +90,9 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_dont_mask = True
     enable_handle_killpriv = False
+    # The kernel then asks for no security.capability before each write (one request more
+    # per write) and tells us when a write, truncate or chown must clear setuid/setgid.
+    enable_handle_killpriv_v2 = True
     # Read /dev/fuse before waiting on it (the patched binding): with several programs
     # calling at once a request is nearly always queued already, and learning that through
     # epoll cost more than the write itself (4 and 16 concurrent writers, no replicas:
@@ -101,9 +107,7 @@ class Operations(pyfuse3.Operations):
         self.enable_writeback_cache = writeback_cache
         self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
-        # before every write (FUSE clears SB_NOSEC; libfuse 3.14 cannot request
-        # HANDLE_KILLPRIV_V2), which saves one round trip per write; with them, the
-        # binding answers that question itself.
+        # at all; with them, the binding answers that question itself when it comes.
         self.xattrs = xattrs
         self.absent_xattrs = frozenset({CAPABILITY_XATTR}) if xattrs else frozenset()
         self.getxattr_calls = 0  # that reached this daemon's Python code, for status
@@ -174,6 +178,7 @@ class Operations(pyfuse3.Operations):
             mtime=attr.st_mtime_ns if fields.update_mtime else None,
             atime_now=fields.update_atime_now,
             mtime_now=fields.update_mtime_now,
+            kill_suidgid=self.caller(ctx) if ctx.kill_suidgid else None,
         ))
         return self.entry(node)
 
@@ -247,7 +252,12 @@ class Operations(pyfuse3.Operations):
         return self.fs.read(fh, off, size)
 
     @errors
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: bytes,
+                    kill_suidgid: pyfuse3.RequestContext | None = None) -> int:
+        if kill_suidgid is not None:
+            # A writer without CAP_FSETID (FUSE_WRITE_KILL_SUIDGID): the kernel leaves
+            # clearing setuid/setgid to us (HANDLE_KILLPRIV_V2), before the data lands.
+            self.fs.kill_suidgid(self.fs.node(fh), self.caller(kill_suidgid))
         try:
             return self.fs.write(fh, off, buf)
         except NeedSync:
@@ -379,8 +389,8 @@ class Operations(pyfuse3.Operations):
             return json.dumps(self.describe()).encode()
         value = self.fs.getxattr(inode, name)
         if value is None:
-            # Not through FsError: the kernel asks for security.capability before every
-            # write, and building and mapping an OSError costs most of this call.
+            # Not through FsError: building and mapping an OSError costs most of this
+            # call, and ENODATA is its common answer.
             raise pyfuse3.FUSEError(errno.ENODATA)
         return value
 

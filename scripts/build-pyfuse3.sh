@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds pyfuse3 from its sdist with patches/pyfuse3-$VERSION.patch applied (the operations
-# libfuse has and pyfuse3 does not expose: fallocate, lseek, copy_file_range, and the
-# DONT_MASK capability), and installs it into the given Python's environment. Skips the build
-# when that environment already has this exact patch (its hash is stamped beside pyfuse3).
+# libfuse has and pyfuse3 does not expose: fallocate, lseek, copy_file_range; the DONT_MASK
+# capability; FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14 cannot negotiate, through a custom
+# I/O hook; reading /dev/fuse before waiting on it), and installs it into the given Python's
+# environment. Skips the build when that environment already has this exact patch (its hash
+# is stamped beside pyfuse3).
 # Usage: scripts/build-pyfuse3.sh PYTHON
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ rm -f "$src/src/pyfuse3/__init__.c"
 "$PY" - "$want" <<'PYEOF'
 import os, sys
 import pyfuse3
-assert hasattr(pyfuse3.Operations, "lseek"), "the patched pyfuse3 did not install"
+assert hasattr(pyfuse3.Operations, "lseek") and hasattr(pyfuse3, "handle_killpriv_v2"), "the patched pyfuse3 did not install"
 with open(os.path.join(os.path.dirname(pyfuse3.__file__), "rpmemfs-patch.sha256"), "w") as f:
     f.write(sys.argv[1] + "\n")
 PYEOF

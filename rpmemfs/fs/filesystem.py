@@ -568,15 +568,17 @@ class Filesystem:
 
     def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime: int | None = None,
-                mtime: int | None = None, atime_now: bool = False, mtime_now: bool = False
-                ) -> Inode:
+                mtime: int | None = None, atime_now: bool = False, mtime_now: bool = False,
+                kill_suidgid: Caller | None = None) -> Inode:
         """Change attributes. A time given is stored as given (utimensat with a value: it may
         go back, as on ext4); ``*_now`` (UTIME_NOW, touch) takes this inode's next tick
         instead of the kernel's time, so that it never goes before the last change. A new
         mode rewrites the access ACL's owner, group (or mask) and other entries to match.
-        Setuid and setgid on chown and truncate are the kernel's to clear: it sends the
-        mode it wants along (HANDLE_KILLPRIV is not negotiated)."""
+        ``kill_suidgid``: the kernel asks that setuid/setgid be cleared as this caller's chown
+        or truncate clears them (see kill_suidgid); a mode given along still wins."""
         node = self.node(ino)
+        if kill_suidgid is not None:
+            self.kill_suidgid(node, kill_suidgid)
         acl_value = node.xattrs.get(A.ACCESS) if self.posix_acl and mode is not None else None
         self._room(R.INODE.size + R.TRUNC.size
                    + (R.XSET.size + len(A.ACCESS) + len(acl_value) + 8 if acl_value else 0))
@@ -608,6 +610,21 @@ class Filesystem:
             node.mtime = mtime
         self._touch(node)
         return node
+
+    def kill_suidgid(self, node: Inode, caller: Caller) -> None:
+        """Clear setuid and setgid of a regular file as the kernel's should_remove_suid does
+        for a change by ``caller`` that the kernel already found lacks CAP_FSETID (or for a
+        chown, which clears them for everyone): setuid always, setgid when the group may
+        execute or the caller is neither in the file's group nor capable. The kernel asks
+        for it (FUSE_HANDLE_KILLPRIV_V2) and leaves it to us on write, truncate and chown."""
+        if node.is_reg and node.mode & (stat.S_ISUID | stat.S_ISGID):
+            kill = stat.S_ISUID
+            if node.mode & stat.S_IXGRP or not caller.in_group_or_capable(node.gid):
+                kill |= stat.S_ISGID
+            if node.mode & kill:
+                node.mode &= ~kill
+                node.tick()
+                self._touch(node)
 
     def open_truncate(self, ino: int, caller: Caller) -> Inode:
         """open(O_TRUNC): the kernel sends no setattr (atomic O_TRUNC), so what its truncate

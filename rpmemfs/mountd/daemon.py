@@ -141,6 +141,8 @@ class Mounted:
             "poll_passes": self.ops.poller.polls,
             "poll_yielded": self.ops.poller.yielded,
             "getxattr_calls": self.ops.getxattr_calls,
+            # Whether the kernel took FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before writes).
+            "handle_killpriv_v2": pyfuse3.handle_killpriv_v2(),
             "log": {"area": fs.log.active, "generation": fs.log.gen, "used": fs.log.used,
                     "capacity": fs.log.capacity, "records_appended": fs.log.records,
                     "checkpoints": fs.log.checkpoints},

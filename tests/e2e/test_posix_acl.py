@@ -6,6 +6,7 @@ as root, and as unprivileged users through setpriv(1). The tests run as root (th
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shlex
 import stat
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MakePool, MountPool
-from helpers import Mount, fsync_path
+from helpers import Mount, cli, fsync_path
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to other users: needs root")
 
@@ -176,6 +177,56 @@ def test_setgid_directory_as_on_tmpfs(dirs: tuple[Mount, Path]) -> None:
     assert s["g/x"][0] == "-rwxr-sr-x"  # type: ignore[index]
     mnt.remount()
     assert observe(mnt.path) == got
+
+
+# ------------------------------------------------------------------ setuid and setgid
+
+
+def test_setuid_and_setgid_are_cleared_by_writes_truncates_and_chowns_as_on_tmpfs(
+        dirs: tuple[Mount, Path]) -> None:
+    """With FUSE_HANDLE_KILLPRIV_V2 the kernel leaves the clearing to the file system and
+    only says when (the writer lacks CAP_FSETID; any chown): every case of should_remove_suid
+    against tmpfs, which the kernel clears for itself."""
+    mnt, ref = dirs
+    # Else the kernel would clear them itself and this would check the kernel, not us.
+    assert json.loads(cli("status", mnt.path, "--json").stdout)["handle_killpriv_v2"] is True
+    both(dirs, "for f in w1 w2 w3 w4 t1 t2 o1 o2 c2 m1; do touch $f; done;"
+               f" chmod 6777 w1 w4 t1 t2 o1 o2 m1; chgrp {MEMBER} w2 w3; chmod 2767 w2 w3;"
+               " chmod 6755 c2; touch c1; chown 1001 c1; chmod 6755 c1")
+    both(dirs, "echo x >> w1", uid=1002)  # both bits
+    both(dirs, "echo x >> w2", uid=1002)  # setgid without group exec: not in the group
+    both(dirs, "echo x >> w3", uid=1001, groups=(MEMBER,))  # ...in the group: kept
+    both(dirs, "echo x >> w4; truncate -s 1 t2; : > o2")  # root (CAP_FSETID): kept
+    both(dirs, "truncate -s 1 t1", uid=1002)
+    both(dirs, ": > o1", uid=1002)  # open(O_TRUNC): no setattr, the open says it
+    both(dirs, f"chgrp {MEMBER} c1", uid=1001, groups=(MEMBER,))  # the owner's chown
+    both(dirs, "chown 1001 c2")  # root's chown clears them too
+    both(dirs, "printf abc | dd of=m1 bs=1 seek=3 conv=notrunc status=none", uid=1002)
+    got = observe(mnt.path)
+    assert got == observe(ref)
+    s = got["stat"]
+    assert s["w1"][0] == "-rwxrwxrwx" and s["w2"][0] == "-rwxrw-rwx"  # type: ignore[index]
+    assert s["w3"][0] == "-rwxrwSrwx" and s["w4"][0] == "-rwsrwsrwx"  # type: ignore[index]
+    assert s["t1"][0] == "-rwxrwxrwx" and s["o1"][0] == "-rwxrwxrwx"  # type: ignore[index]
+    assert s["t2"][0] == "-rwsrwsrwx" and s["o2"][0] == "-rwsrwsrwx"  # type: ignore[index]
+    assert s["c1"][0] == "-rwxr-xr-x" and s["c2"][0] == "-rwxr-xr-x"  # type: ignore[index]
+    assert s["m1"][0] == "-rwxrwxrwx"  # type: ignore[index]
+    mnt.remount()
+    assert observe(mnt.path) == got
+
+
+def test_direct_io_write_clears_setuid(dirs: tuple[Mount, Path]) -> None:
+    """O_DIRECT writes take the kernel's direct path, which clears nothing itself and always
+    asks the file system to (tmpfs has no O_DIRECT to compare with: ext4's rule, asserted)."""
+    mnt, _ = dirs
+    sh(mnt.path, "touch d; chmod 6777 d")
+    script = ("import mmap, os; fd = os.open('d', os.O_WRONLY | os.O_DIRECT); "
+              "buf = mmap.mmap(-1, 4096); buf.write(b'x' * 4096); os.write(fd, buf)")
+    res = sh(mnt.path, f"python3 -c {shlex.quote(script)}", uid=1002, check=False)
+    if res.returncode != 0 and "Invalid argument" in res.stderr:
+        pytest.skip("this kernel refuses O_DIRECT on the mount")
+    assert res.returncode == 0, res.stderr
+    assert stat.filemode(os.stat(mnt.path / "d").st_mode) == "-rwxrwxrwx"
 
 
 # ------------------------------------------------------------------ without xattrs

@@ -225,6 +225,26 @@ def test_open_truncate_clears_setuid_and_setgid_for_the_unprivileged(fs: Filesys
     assert perms(fs, b) == 0o6777
 
 
+def test_kill_suidgid_follows_should_remove_suid_and_is_logged(fs: Filesystem) -> None:
+    """What a write, truncate or chown the kernel flags (HANDLE_KILLPRIV_V2) clears: setuid
+    always, setgid when the group may execute or the caller is not in the group."""
+    a = fs.create(ROOT, b"a", stat.S_IFREG | 0o6777, 0, 2000).ino
+    b = fs.create(ROOT, b"b", stat.S_IFREG | 0o6767, 0, 2000).ino
+    c = fs.create(ROOT, b"c", stat.S_IFREG | 0o6767, 0, 2000).ino
+    d = fs.mkdir(ROOT, b"d", stat.S_IFDIR | 0o2777, 0, 2000).ino
+    ctime = fs.node(a).ctime
+    fs.kill_suidgid(fs.node(a), MEMBER)
+    fs.kill_suidgid(fs.node(b), OWNER)
+    fs.kill_suidgid(fs.node(c), MEMBER)
+    fs.kill_suidgid(fs.node(d), OWNER)  # only regular files lose them
+    assert (perms(fs, a), perms(fs, b), perms(fs, c), perms(fs, d)) == (0o777, 0o767, 0o2767, 0o2777)
+    assert fs.node(a).ctime > ctime
+    fs.setattr(c, size=0, kill_suidgid=OWNER)
+    assert perms(fs, c) == 0o767
+    fs2 = remount(fs)
+    assert (perms(fs2, a), perms(fs2, b), perms(fs2, c)) == (0o777, 0o767, 0o767)
+
+
 # ------------------------------------------------------------------ timestamps
 
 
