@@ -6,9 +6,10 @@ Every context manager leaves nothing mounted behind, also when it fails half-way
 
 Why two of each FUSE filesystem: before every write(2) to a FUSE filesystem that
 implements getxattr, the kernel asks it for "security.capability" (FUSE clears
-SB_NOSEC, and only FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14 cannot negotiate,
-would spare it). A filesystem that answers ENOSYS once is never asked again. So a
-fair comparison pairs filesystems that either both offer xattrs or both do not.
+SB_NOSEC), unless FUSE_HANDLE_KILLPRIV_V2 was negotiated. A filesystem that answers
+ENOSYS once is never asked again. rpmemfs negotiates HANDLE_KILLPRIV_V2 through its
+patched binding, so with xattrs it gets the requests of the pass-through without them;
+the stock pass-through with xattrs pays the extra GETXATTR (docs/benchmarks.md).
 """
 
 from __future__ import annotations
