@@ -83,6 +83,7 @@ class _Map:
     def __init__(self) -> None:
         self.pending = [(0, 4096)]
         self.settled = False
+        self.missed = [4096]
 
     def full(self, slot: int) -> bool:
         return False
