@@ -150,8 +150,9 @@ class SyncMap:
 
     # ---------------------------------------------------------------- the bitmaps
 
-    def mark(self, slots: Iterable[int], ranges: Sequence[tuple[int, int]]) -> None:
-        """These replicas miss ``ranges``: set their bits, durably, before anyone relies on it."""
+    def mark(self, slots: Iterable[int], ranges: Sequence[tuple[int, int]], *, again: bool = False) -> None:
+        """These replicas miss ``ranges``: set their bits, durably, before anyone relies on it.
+        ``again``: chunks taken and not sent after all, already counted in ``missed``."""
         if not self.enabled:
             for slot in slots:
                 self.set_full(slot)
@@ -169,7 +170,7 @@ class SyncMap:
                 if changed is not None:
                     lines.update(range((base + changed[0]) & ~(LINE - 1), base + changed[1] + 1, LINE))
             missed = self.missed[slot]
-            if missed is not None:
+            if missed is not None and not again:
                 self.missed[slot] = missed + sum(n for _, _, n in spans)
         if lines:
             self._persist([(line, LINE) for line in sorted(lines)])

@@ -122,7 +122,7 @@ async def _send_missing(rs: Barriers, replica: Replica, totals: dict[str, int],
         return await copy(rs, replica, runs, "resync", progress)
     except BaseException:
         # Not sent after all: still missing (the durable bits never went away).
-        rs.syncmap.mark([replica.slot], runs)
+        rs.syncmap.mark([replica.slot], runs, again=True)
         raise
 
 

@@ -95,7 +95,7 @@ class _Map:
         runs, self.pending = self.pending, []
         return runs
 
-    def mark(self, slots: list[int], ranges: list[tuple[int, int]]) -> None:
+    def mark(self, slots: list[int], ranges: list[tuple[int, int]], *, again: bool = False) -> None:
         self.pending += ranges
 
     def settle(self, slot: int) -> None:

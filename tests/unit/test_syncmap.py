@@ -52,6 +52,9 @@ def test_a_new_pool_has_a_bit_per_block_and_sends_exactly_the_blocks_written() -
     assert _after_crash(persister, hdr).count(1) == 4
     assert sm.take(1) == [(d + 5 * BLOCK, BLOCK), (d + 9 * BLOCK, 2 * BLOCK), (d + 100 * BLOCK, BLOCK)]
     assert sm.count(1) == 0 and sm.take(1) == []
+    # Taken and not sent after all: pending again, and not missed twice.
+    sm.mark([1], [(d + 5 * BLOCK, BLOCK)], again=True)
+    assert sm.take(1) == [(d + 5 * BLOCK, BLOCK)] and sm.missed[1] == 3 * BLOCK + 200
     # Taken is not cleared: the durable bits stay until the replica is in sync.
     assert _after_crash(persister, hdr).count(1) == 4
     sm.settle(1)
