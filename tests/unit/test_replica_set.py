@@ -644,6 +644,7 @@ def test_a_live_repair_holds_barriers_for_one_batch_at_a_time(
         # Each waited for one batch (0.5 s) and its own flush (0.5 s), not the whole repair (4 s).
         assert max(waits) <= 1.0 + 0.05, waits
         assert result["differing_chunks"] == 8 and result["chunks_sent"] == 8
+        assert result["bytes_sent"] == 8 * BLOCK  # the damaged block of each 64 KiB chunk
         assert rig.identical(1) and states(rs) == ["in-sync"] * 2
         await rs.aclose()
 
