@@ -29,10 +29,15 @@ def grown(hdr: Header, size: int) -> Header:
         raise PoolFormatError(f"size {size} is not a multiple of {BLOCK} bytes")
     if size <= hdr.pool_size:
         raise PoolFormatError(f"the pool is {hdr.pool_size} bytes already; it only grows")
-    shift = map_shift_for(size)
+    # Never a finer chunk than the pool has: a pool made with 64 KiB chunks keeps them, as it
+    # keeps its log areas.
+    shift = max(hdr.map_shift, map_shift_for(size))
     map_off = (size - map_bytes(size, shift)) // BLOCK * BLOCK
     new = replace(hdr, pool_size=size, map_shift=shift, data_blocks=(map_off - hdr.data_off) // BLOCK)
     new.validate()
+    if new.data_blocks < hdr.data_blocks:
+        raise PoolFormatError(f"growing to {size} bytes leaves fewer data blocks (the sync map takes "
+                              "the new space); grow by more")
     return new
 
 

@@ -8,6 +8,8 @@ A pool is one file:
     [8K+A, 8K+2A)    log area 1
     [data_off, map_off)  data blocks of BLOCK bytes
     [map_off, end)   sync map (format version 2): per replica, the chunks it may be missing
+                     (chunks of a block for new pools up to 64 GiB; 64 KiB or more in
+                     pools made before)
 
 Only ``[0, map_off)`` is the pool's content, the same on every replica. The sync map is this
 node's own record of which replicas lag behind where (rpmemfs.pool.syncmap.py); it is
@@ -40,8 +42,12 @@ MIN_AREA = 256 << 10
 MAX_AREA = 1 << 30
 DATA_ALIGN = 64 << 10
 MAP_SLOTS = 8  # replicas a sync map has room for
-MAP_MIN_SHIFT = 16  # sync map chunks are at least 64 KiB...
-MAP_MAX_BITS = 1 << 16  # ...and a replica's bitmap at most 8 KiB
+# A new pool's sync map chunk is a block, so that a resync sends what changed, not the 64 KiB
+# around each 4 KiB write (pools made before had 64 KiB chunks at least, and keep them), up
+# to 2**24 bits (2 MiB) per replica's bitmap: chunks of a block for pools up to 64 GiB,
+# larger above (64 KiB at 1 TiB), a map of at most 16 MiB.
+MAP_MIN_SHIFT = BLOCK_SHIFT
+MAP_MAX_BITS = 1 << 24
 
 # magic, version, flags, uuid, pool_size, block_size, map_shift (0: no sync map), area_size,
 # data_off, data_blocks, created_ns, epoch; crc follows over all of these.
@@ -152,21 +158,24 @@ def map_bytes(pool_size: int, shift: int) -> int:
 
 
 def map_shift_for(pool_size: int) -> int:
+    """The sync map's chunk shift mkfs picks: the smallest whose bitmap has at most
+    MAP_MAX_BITS bits."""
     shift = MAP_MIN_SHIFT
-    while (pool_size >> shift) >= MAP_MAX_BITS:
+    while -(-pool_size >> shift) > MAP_MAX_BITS:
         shift += 1
     return shift
 
 
-def plan(pool_size: int, uid: bytes, created_ns: int) -> Header:
-    """Choose the layout for a new pool of pool_size bytes."""
+def plan(pool_size: int, uid: bytes, created_ns: int, map_shift: int | None = None) -> Header:
+    """Choose the layout for a new pool of pool_size bytes (``map_shift``: another sync map
+    chunk than mkfs picks, as pools made before it picked blocks had)."""
     if pool_size < MIN_POOL:
         raise PoolFormatError(f"pool size {pool_size} is below the minimum of {MIN_POOL >> 20}M")
     # Each area must hold a full metadata snapshot plus room to log; 1/32 of the pool per area
     # leaves about 3% for metadata, which a checkpoint of ~150 bytes per small file fits.
     area = min(MAX_AREA, max(MIN_AREA, (pool_size // 32) // BLOCK * BLOCK))
     data_off = -(-(AREAS_OFF + 2 * area) // DATA_ALIGN) * DATA_ALIGN
-    shift = map_shift_for(pool_size)
+    shift = map_shift_for(pool_size) if map_shift is None else map_shift
     map_off = (pool_size - map_bytes(pool_size, shift)) // BLOCK * BLOCK
     blocks = (map_off - data_off) // BLOCK
     hdr = Header(uid, pool_size, area, data_off, blocks, created_ns, map_shift=shift)

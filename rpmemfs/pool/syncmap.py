@@ -14,6 +14,10 @@ of the pool (``Header.map_off``), is written by this node only and never replica
     32      4     crc32c of the above
     BLOCK   ...   MAP_SLOTS bitmaps of Header.map_slot_bytes, a bit per chunk
 
+The chunk (``Header.map_chunk``) is a block in pools mkfs makes now, up to 64 GiB, so that a
+resync sends the blocks that changed rather than the 64 KiB around each of them; pools made
+before have chunks of 64 KiB or more, and keep them.
+
 A map whose header is torn, blank, or from another epoch (a replica's pool mounted on its own
 after a failover carries the untouched map of the pool it was copied from) says nothing
 reliable: every slot is then FULL. So is every slot after a mount that did not end cleanly:
@@ -41,6 +45,8 @@ _HEAD = struct.Struct("<8sIIQ8s")
 _CRC = struct.Struct("<I")
 HEAD_BYTES = _HEAD.size + _CRC.size
 LINE = 64
+_PAGE = 4096
+_ZERO_PAGE = bytes(_PAGE)
 
 Ranges = list[tuple[int, int]]
 
@@ -99,6 +105,10 @@ class SyncMap:
             for i in range(MAP_SLOTS):
                 off = self._slot_off(i)
                 self.pending[i][:] = buf[off : off + self.slot_bytes]
+        # Bytes of the ranges each replica missed since it was last in sync: what a resync
+        # sends is measured against it. None when unknown (bits or FULL from before this mount).
+        self.missed: list[int | None] = [
+            None if self.slot_flags[i] & S_FULL or _any_bit(self.pending[i]) else 0 for i in range(MAP_SLOTS)]
 
     def _slot_off(self, slot: int) -> int:
         return self.hdr.map_off + BLOCK + slot * self.slot_bytes
@@ -120,6 +130,7 @@ class SyncMap:
         if not self.reliable:
             for i in range(slots):
                 self.slot_flags[i] |= S_FULL
+                self.missed[i] = None
         self.flags |= F_OPEN
         self._write_head()
 
@@ -132,41 +143,41 @@ class SyncMap:
         return bool(self.slot_flags[slot] & S_FULL) or not self.enabled
 
     def set_full(self, slot: int) -> None:
+        self.missed[slot] = None
         if not self.slot_flags[slot] & S_FULL:
             self.slot_flags[slot] |= S_FULL
             self._write_head()
 
     # ---------------------------------------------------------------- the bitmaps
 
-    def mark(self, slots: Iterable[int], ranges: Sequence[tuple[int, int]]) -> None:
-        """These replicas miss ``ranges``: set their bits, durably, before anyone relies on it."""
+    def mark(self, slots: Iterable[int], ranges: Sequence[tuple[int, int]], *, again: bool = False) -> None:
+        """These replicas miss ``ranges``: set their bits, durably, before anyone relies on it.
+        ``again``: chunks taken and not sent after all, already counted in ``missed``."""
         if not self.enabled:
             for slot in slots:
                 self.set_full(slot)
             return
         shift, limit = self.shift, self.limit
+        spans = [(off >> shift, (min(off + length, limit) - 1) >> shift, min(off + length, limit) - off)
+                 for off, length in ranges if length > 0 and off < limit]
         lines: set[int] = set()
         for slot in slots:
             base = self._slot_off(slot)
             pending = self.pending[slot]
-            buf = self.buf
-            for off, length in ranges:
-                if length <= 0 or off >= limit:
-                    continue
-                first, last = off >> shift, (min(off + length, limit) - 1) >> shift
-                for c in range(first, last + 1):
-                    byte, bit = c >> 3, 1 << (c & 7)
-                    pending[byte] |= bit
-                    cur = buf[base + byte]
-                    if not cur & bit:
-                        buf[base + byte] = cur | bit
-                        lines.add((base + byte) & ~(LINE - 1))
+            for first, last, _ in spans:
+                _set_bits(pending, 0, first, last)
+                changed = _set_bits(self.buf, base, first, last)
+                if changed is not None:
+                    lines.update(range((base + changed[0]) & ~(LINE - 1), base + changed[1] + 1, LINE))
+            missed = self.missed[slot]
+            if missed is not None and not again:
+                self.missed[slot] = missed + sum(n for _, _, n in spans)
         if lines:
             self._persist([(line, LINE) for line in sorted(lines)])
 
     def count(self, slot: int) -> int:
         """Chunks still to send to this replica."""
-        return sum(b.bit_count() for b in self.pending[slot])
+        return int.from_bytes(self.pending[slot], "little").bit_count()
 
     def take(self, slot: int) -> Ranges:
         """The chunks still to send, as merged (offset, length) runs; they are no longer
@@ -174,18 +185,24 @@ class SyncMap:
         pending = self.pending[slot]
         runs: Ranges = []
         chunk, limit = self.chunk, self.limit
-        for byte, value in enumerate(pending):
-            if not value:
+        # A bitmap of a big pool is mostly zero: skip it a page at a time.
+        for page in range(0, len(pending), _PAGE):
+            part = pending[page : page + _PAGE]
+            if part == _ZERO_PAGE[: len(part)]:
                 continue
-            for bit in range(8):
-                if value & (1 << bit):
-                    start = ((byte << 3) + bit) * chunk
-                    end = min(start + chunk, limit)
-                    if runs and runs[-1][0] + runs[-1][1] == start:
-                        runs[-1] = (runs[-1][0], end - runs[-1][0])
-                    else:
-                        runs.append((start, end - start))
-            pending[byte] = 0
+            for byte in range(page, min(page + _PAGE, len(pending))):
+                value = pending[byte]
+                if not value:
+                    continue
+                for bit in range(8):
+                    if value & (1 << bit):
+                        start = ((byte << 3) + bit) * chunk
+                        end = min(start + chunk, limit)
+                        if runs and runs[-1][0] + runs[-1][1] == start:
+                            runs[-1] = (runs[-1][0], end - runs[-1][0])
+                        else:
+                            runs.append((start, end - start))
+            pending[page : page + _PAGE] = _ZERO_PAGE[: len(part)]
         return runs
 
     def move(self, src: int, dst: int) -> None:
@@ -199,16 +216,36 @@ class SyncMap:
             self.buf[a : a + self.slot_bytes] = bytes(self.slot_bytes)
             self._persist([(b, self.slot_bytes), (a, self.slot_bytes)])
         self.slot_flags[dst], self.slot_flags[src] = self.slot_flags[src], 0
+        self.missed[dst], self.missed[src] = self.missed[src], 0
         self._write_head()
 
     def settle(self, slot: int) -> None:
         """The replica holds everything: clear its bits and its FULL flag, durably."""
+        self.missed[slot] = 0
         self.pending[slot][:] = bytes(self.slot_bytes)
         if self.enabled:
             off = self._slot_off(slot)
-            if any(self.buf[off : off + self.slot_bytes]):
+            if _any_bit(self.buf[off : off + self.slot_bytes]):
                 self.buf[off : off + self.slot_bytes] = bytes(self.slot_bytes)
                 self._persist([(off, self.slot_bytes)])
         if self.slot_flags[slot]:
             self.slot_flags[slot] = 0
             self._write_head()
+
+
+def _any_bit(bitmap: bytearray | memoryview) -> bool:
+    # One pass in C: a bitmap is up to 2 MiB, too long to walk a byte at a time in Python.
+    return bool(int.from_bytes(bitmap, "little"))
+
+
+def _set_bits(bitmap: bytearray | memoryview, base: int, first: int, last: int) -> tuple[int, int] | None:
+    """Set bits ``first``..``last`` of the bitmap at ``base`` in one read-modify-write of the
+    bytes they span (a long run is one slice, not a bit at a time); the span of bytes that
+    changed, relative to ``base``, or None when every bit was set already."""
+    lo, hi = first >> 3, last >> 3
+    old = int.from_bytes(bitmap[base + lo : base + hi + 1], "little")
+    new = old | ((1 << (last - first + 1)) - 1) << (first & 7)
+    if new == old:
+        return None
+    bitmap[base + lo : base + hi + 1] = new.to_bytes(hi - lo + 1, "little")
+    return lo, hi

@@ -32,7 +32,7 @@ from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.live_verify import VERIFY_ROUNDS, repair_live, verify_live
 from rpmemfs.replica.remote import create_remote
 from rpmemfs.replica.replica import IN_SYNC, Replica
-from rpmemfs.replica.resync import COPY_BATCH, LAST_PASS_CHUNKS, MAX_PASSES
+from rpmemfs.replica.resync import COPY_BATCH, LAST_PASS_BYTES, MAX_PASSES
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.verify import ReplicaReport
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport
@@ -44,7 +44,7 @@ __all__ = [
     "COPY_BATCH",
     "DEFAULT_RECONNECT",
     "DEFAULT_SPIN_US",
-    "LAST_PASS_CHUNKS",
+    "LAST_PASS_BYTES",
     "MAX_PASSES",
     "MAX_RECONNECT",
     "MAX_SPIN_US",

@@ -1,7 +1,8 @@
 """Resync: send a replica that missed barriers what it misses, then let it join them.
 
 What it misses comes from the pool's sync map; with nothing known (no sync map, or its slot
-FULL) every chunk is compared by checksum first. The copies go on the replica's bulk lane in
+FULL) every chunk is compared by checksum first, and the blocks of a differing chunk next, so
+that only the blocks that differ are sent. The copies go on the replica's bulk lane in
 barriers of COPY_BATCH bytes, beside the barriers of the in-sync replicas. The comparison and
 the copy also serve the live verify-and-repair (live_verify.py).
 """
@@ -14,16 +15,17 @@ from collections.abc import Callable
 
 import trio
 
+from rpmemfs.pool.layout import BLOCK
 from rpmemfs.replica.barriers import Barriers
 from rpmemfs.replica.replica import IN_SYNC, RESYNCING, Replica
-from rpmemfs.replica.verify import content_size, count_chunks, differing_chunks, pool_chunk
+from rpmemfs.replica.verify import chunks_touched, content_size, count_chunks, differing_chunks, pool_chunk
 from rpmemfs.transport.base import TransportError
 
 log = logging.getLogger(__name__)
 
 COPY_BATCH = 8 << 20  # bytes per barrier while resyncing
 MAX_PASSES = 8  # resync passes outside the barrier lock before the last one under it...
-LAST_PASS_CHUNKS = 64  # ...or fewer chunks left than this
+LAST_PASS_BYTES = 4 << 20  # ...or fewer bytes left than this (64 chunks of 64 KiB, as before)
 
 
 async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]) -> bool:
@@ -44,6 +46,7 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
         await _mark(rs, replica, True)
     totals = {"compared_chunks": 0, "differing_chunks": 0, "chunks_sent": 0, "bytes_sent": 0,
               "passes": 0}
+    missed: int | None = None
     if syncmap is None or syncmap.full(slot):
         if syncmap is not None:
             syncmap.take(slot)  # the comparison covers what the map held until now
@@ -51,7 +54,7 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
                                                          compared=progress, copied=progress)
     if syncmap is not None:
         for _ in range(MAX_PASSES):
-            if syncmap.count(slot) <= LAST_PASS_CHUNKS:
+            if syncmap.count(slot) * syncmap.chunk <= LAST_PASS_BYTES:
                 break
             totals["bytes_sent"] += await _send_missing(rs, replica, totals, progress)
     async with rs.lock:
@@ -69,6 +72,9 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
             # what it missed after the last pass took the map: its keeper tries again.
             return False
         if syncmap is not None:
+            # What the barriers it missed carried, to hold bytes_sent against (None when
+            # the map's bits came from an earlier mount, or it was compared in full).
+            missed = syncmap.missed[slot]
             syncmap.settle(slot)
         replica.joined()
     # After it joined, outside the lock (no fsync waits for this round trip). Should it be
@@ -76,9 +82,10 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
     # refused as a source until its next resync ends: never the other way round.
     await _mark(rs, replica, False)
     replica.resync = None
-    replica.last_resync = {**totals, "seconds": round(time.monotonic() - t0, 3)}
+    replica.last_resync = {**totals, "missed_bytes": missed, "seconds": round(time.monotonic() - t0, 3)}
     if totals["bytes_sent"] or totals["compared_chunks"]:
-        log.warning("replica %s resynced: %s", replica.spec, replica.last_resync)
+        ratio = f"{totals['bytes_sent'] / missed:.2f}x the bytes it missed, " if missed else ""
+        log.warning("replica %s resynced: %s%s", replica.spec, ratio, replica.last_resync)
     return True
 
 
@@ -109,24 +116,25 @@ async def _send_missing(rs: Barriers, replica: Replica, totals: dict[str, int],
     totals["passes"] += 1
     if not runs:
         return 0
-    totals["chunks_sent"] += count_chunks(runs, rs.syncmap.chunk)
+    # Counted in verify's chunk, as the comparison counts them (the map's may be finer).
+    totals["chunks_sent"] += chunks_touched(runs, pool_chunk(rs.local_buf))
     try:
         return await copy(rs, replica, runs, "resync", progress)
     except BaseException:
         # Not sent after all: still missing (the durable bits never went away).
-        rs.syncmap.mark([replica.slot], runs)
+        rs.syncmap.mark([replica.slot], runs, again=True)
         raise
 
 
 async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, int], *, locked: bool,
                              compared: Callable[[int], None], copied: Callable[[int], None]) -> int:
-    """Compare every chunk by checksum, then copy the ones that differ (under the barrier
-    lock when ``locked``, for a replica that takes barriers meanwhile); bytes sent.
-    ``compared`` and ``copied`` count the bytes compared and copied."""
+    """Compare every chunk by checksum, then the blocks of those that differ, and copy the
+    blocks that differ (under the barrier lock when ``locked``, for a replica that takes
+    barriers meanwhile); bytes sent. ``compared`` and ``copied`` count the bytes compared and
+    copied; the totals count chunks in verify's chunk (verify.pool_chunk)."""
     assert replica.session is not None and replica.region is not None
     limit = content_size(rs.local_buf)
-    # The sync map's chunk, which is also what verify counts in (verify.pool_chunk).
-    chunk = rs.syncmap.chunk if rs.syncmap and rs.syncmap.enabled else pool_chunk(rs.local_buf)
+    chunk = pool_chunk(rs.local_buf)
     replica.resync = {"phase": "compare", "done": 0, "total": limit}
 
     def compared_some(n: int) -> None:
@@ -140,7 +148,13 @@ async def compare_and_repair(rs: Barriers, replica: Replica, totals: dict[str, i
     totals["compared_chunks"] += n_compared
     totals["differing_chunks"] += differing
     totals["chunks_sent"] += differing
-    log.info("replica %s: %d of %d chunks differ", replica.spec, differing, n_compared)
+    if runs and chunk > BLOCK:
+        # A write changes a few blocks of a chunk, not all 16 of 64 KiB: one more round of
+        # checksums (a request per 4 MiB that differs) instead of sending the rest again.
+        _, runs = await differing_chunks(replica.session, replica.region, rs.local_buf, runs, BLOCK,
+                                         lambda n: None, rs.timeout)
+    log.info("replica %s: %d of %d chunks differ (%d bytes in blocks that differ)", replica.spec,
+             differing, n_compared, sum(n for _, n in runs))
     return await copy(rs, replica, runs, "repair", copied, locked=locked)
 
 

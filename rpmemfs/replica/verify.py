@@ -6,9 +6,10 @@ here over the local pool, and the lists are compared. The pool must not be mount
 mount writes into its pool before the fsync that would make a replica catch up, so the two
 legitimately differ until then (live_verify.py compares a mounted pool).
 
-verify and sync count in one unit, the pool's chunk (:func:`pool_chunk`): the sync map's
-chunk, which is what a resync sends, so "3 chunks differ" from verify and "3 chunks sent"
-from sync speak of the same bytes. Both reports name their counts alike (compared_chunks,
+verify and sync count in one unit, the pool's chunk (:func:`pool_chunk`): 64 KiB, or the
+sync map's chunk where that is larger, so "3 chunks differ" from verify and "3 chunks sent"
+from sync speak of the same chunks (sync then sends only the blocks in them that differ, and
+says how many bytes). Both reports name their counts alike (compared_chunks,
 differing_chunks) and give the chunk size.
 """
 
@@ -23,36 +24,47 @@ import trio
 
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import read_header
-from rpmemfs.pool.layout import MAP_MIN_SHIFT, Header, PoolFormatError
+from rpmemfs.pool.layout import Header, PoolFormatError
 from rpmemfs.progress import ProgressBar
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
 
-# The chunk of a pool without a sync map (mkfs has always made one; a hand-made pool may not).
-FALLBACK_CHUNK = 1 << MAP_MIN_SHIFT
+# The chunk pools are compared in, at least: a checksum per 64 KiB keeps a whole-pool compare
+# cheap (a 2 GiB pool in under a second) where the sync map has a bit per 4 KiB block.
+COMPARE_CHUNK = 64 << 10
 # Chunks asked for per request (the target answers at most MAX_CHUNKS, 4096): 64 MiB of a
 # pool of up to 4 GiB per round trip, a reply of ~11 KB, and progress that still moves.
 CHUNKS_PER_REQUEST = 1024
 
 
 def chunk_of(hdr: Header) -> int:
-    """The chunk verify and sync count in: the sync map's (64 KiB for pools up to 4 GiB,
-    larger above: a bitmap has at most 65536 bits)."""
-    return hdr.map_chunk or FALLBACK_CHUNK
+    """The chunk verify and sync count in: COMPARE_CHUNK, or the sync map's where it is
+    larger (pools above 1 TiB; pools made before blocks were the map's chunk, above 4 GiB)."""
+    return max(hdr.map_chunk, COMPARE_CHUNK)
 
 
 def pool_chunk(buf: memoryview) -> int:
-    """:func:`chunk_of` the pool in ``buf`` (FALLBACK_CHUNK when its header is unreadable)."""
+    """:func:`chunk_of` the pool in ``buf`` (COMPARE_CHUNK when its header is unreadable)."""
     try:
         return chunk_of(read_header(buf)[0])
     except PoolFormatError:
-        return FALLBACK_CHUNK
+        return COMPARE_CHUNK
 
 
 def count_chunks(runs: list[tuple[int, int]], chunk: int) -> int:
     """Chunks in merged runs of whole chunks (the pool's last chunk may be short)."""
     return sum(-(-n // chunk) for _, n in runs)
+
+
+def chunks_touched(runs: list[tuple[int, int]], chunk: int) -> int:
+    """Chunks that sorted, merged runs of any length have bytes in."""
+    count, last = 0, -1
+    for off, n in runs:
+        first, end = off // chunk, (off + n - 1) // chunk
+        count += end - max(first, last + 1) + 1 if end > last else 0
+        last = max(last, end)
+    return count
 
 
 @dataclass

@@ -233,7 +233,8 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
         assert counted["replicas"][0]["compared_chunks"] == counted["replicas"][1]["compared_chunks"] > 0
     assert summary["replicas"][0]["compared_chunks"] == report["replicas"][0]["compared_chunks"]
     assert summary["replicas"][0]["chunks_sent"] == 1, summary
-    assert summary["replicas"][0]["bytes_sent"] == summary["chunk"], summary
+    # Of that chunk, only the 4 KiB block with the flipped byte crossed the wire.
+    assert summary["replicas"][0]["bytes_sent"] == 4096, summary
     assert cli("verify", m.path).returncode == 0
     m.unmount()
     # And on the unmounted pool: damage, verify finds it, sync repairs only that chunk.
@@ -248,6 +249,7 @@ def test_flipped_bytes_in_a_replica_are_found_by_verify_and_repaired_by_sync(
     summary = json.loads(res.stdout)
     for counted in (report, summary):
         assert [r["differing_chunks"] for r in counted["replicas"]] == [0, 1], counted
+    assert summary["replicas"][1]["bytes_sent"] == 4096, summary
     assert ([r["compared_chunks"] for r in summary["replicas"]]
             == [r["compared_chunks"] for r in report["replicas"]]), (summary, report)
     text = cli("sync", pool)

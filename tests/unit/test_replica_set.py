@@ -82,6 +82,10 @@ class Rig:
                 runs.append((c * size, size))
         return runs
 
+    def nchunks(self, ranges: list[tuple[int, int]]) -> int:
+        """How many sync map chunks ranges touch."""
+        return sum(n // self.syncmap.chunk for _, n in self.chunks(ranges))
+
 
 def data(hdr: Header, block: int, n: int = BLOCK, skip: int = 0) -> tuple[int, int]:
     return (hdr.data_off + block * BLOCK + skip, n)
@@ -218,7 +222,7 @@ def test_an_error_reply_with_min_replicas_1_leaves_that_replica_stale_and_marked
         assert rs.status()[1]["state"] == "stale" and rs.status()[1]["last_error"] == bad.last_error
         assert [r.spec for r in rs.in_sync] == [rig.specs[0], rig.specs[2]]
         # What it missed is in the sync map (its own slot only), before barrier() returned.
-        assert rig.syncmap.count(1) == len(rig.chunks(first))
+        assert rig.syncmap.count(1) == rig.nchunks(first)
         assert rig.syncmap.count(0) == rig.syncmap.count(2) == 0
         assert rig.map_persists, "the marks were persisted"
         # Later barriers go to the others only, and are marked for it too.
@@ -227,7 +231,7 @@ def test_an_error_reply_with_min_replicas_1_leaves_that_replica_stale_and_marked
         rig.scribble(second)
         await rs.barrier(second)
         assert len(rig.targets[1].ops) == mark
-        assert rig.syncmap.count(1) == len(rig.chunks(first + second))
+        assert rig.syncmap.count(1) == rig.nchunks(first + second)
         assert rig.replica_holds(0, first + second) and rig.replica_holds(2, first + second)
         await rs.aclose()
 
@@ -322,7 +326,7 @@ def test_an_acknowledgement_after_an_earlier_failure_on_the_lane_does_not_count(
         assert isinstance(results["f1"], ReplicaError)
         assert isinstance(results["f2"], ReplicaError)
         assert states(rs) == ["in-sync", "stale"]
-        assert rig.syncmap.count(1) == 1  # blocks 1 and 2 share a chunk
+        assert rig.syncmap.count(1) == 2  # blocks 1 and 2: a chunk each
         await rs.aclose()
 
     run(main)
@@ -352,7 +356,7 @@ def test_a_dropped_replica_reconnects_and_gets_exactly_what_it_missed() -> None:
             await rs.barrier(missed[1:])  # ...and this one is not even sent to it
             await trio.sleep(1.0)  # reconnection attempts fail meanwhile
             assert states(rs) == ["in-sync", "stale"]
-            assert rig.syncmap.count(1) == len(rig.chunks(missed))
+            assert rig.syncmap.count(1) == rig.nchunks(missed)
             mark = len(target.ops)
             target.restart()
             await until(lambda: rs.replicas[1].state == "in-sync")
@@ -572,7 +576,7 @@ async def timed_barrier(rs: ReplicaSet, ranges: list[tuple[int, int]]) -> float:
 
 def test_a_slow_last_resync_pass_holds_barriers_no_longer_than_the_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+    monkeypatch.setattr(resync_module, "COPY_BATCH", BLOCK)
 
     async def main() -> None:
         rig = Rig(2)
@@ -621,7 +625,7 @@ def _damage(rig: Rig, i: int, blocks: list[int]) -> None:
 
 def test_a_live_repair_holds_barriers_for_one_batch_at_a_time(
         monkeypatch: pytest.MonkeyPatch, inline_threads: None) -> None:
-    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+    monkeypatch.setattr(resync_module, "COPY_BATCH", BLOCK)
 
     async def main() -> None:
         rig = Rig(2)
@@ -640,6 +644,7 @@ def test_a_live_repair_holds_barriers_for_one_batch_at_a_time(
         # Each waited for one batch (0.5 s) and its own flush (0.5 s), not the whole repair (4 s).
         assert max(waits) <= 1.0 + 0.05, waits
         assert result["differing_chunks"] == 8 and result["chunks_sent"] == 8
+        assert result["bytes_sent"] == 8 * BLOCK  # the damaged block of each 64 KiB chunk
         assert rig.identical(1) and states(rs) == ["in-sync"] * 2
         await rs.aclose()
 
@@ -648,7 +653,7 @@ def test_a_live_repair_holds_barriers_for_one_batch_at_a_time(
 
 def test_a_cut_link_during_a_live_repair_holds_barriers_no_longer_than_the_timeout(
         monkeypatch: pytest.MonkeyPatch, inline_threads: None) -> None:
-    monkeypatch.setattr(resync_module, "COPY_BATCH", 64 << 10)
+    monkeypatch.setattr(resync_module, "COPY_BATCH", BLOCK)
 
     async def main() -> None:
         rig = Rig(2)

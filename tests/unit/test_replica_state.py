@@ -83,6 +83,7 @@ class _Map:
     def __init__(self) -> None:
         self.pending = [(0, 4096)]
         self.settled = False
+        self.missed = [4096]
 
     def full(self, slot: int) -> bool:
         return False
@@ -94,7 +95,7 @@ class _Map:
         runs, self.pending = self.pending, []
         return runs
 
-    def mark(self, slots: list[int], ranges: list[tuple[int, int]]) -> None:
+    def mark(self, slots: list[int], ranges: list[tuple[int, int]], *, again: bool = False) -> None:
         self.pending += ranges
 
     def settle(self, slot: int) -> None:
