@@ -104,3 +104,4 @@ def test_writer_records_survive_a_torn_last_record(tmp_path: Path) -> None:
     path.write_bytes(fsync_writer.RECORD.pack(1.5, 0.001, 0) + fsync_writer.RECORD.pack(1.6, 0.002, 5)
                      + struct.pack("<d", 9.0))
     assert fsync_writer.read_records(str(path)) == [(1.5, 0.001, 0), (1.6, 0.002, 5)]
+
