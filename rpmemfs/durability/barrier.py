@@ -41,6 +41,7 @@ from rpmemfs.durability.backlog import Backlog
 from rpmemfs.durability.stale_table import StaleTable
 from rpmemfs.durability.stats import Stats
 from rpmemfs.errors import RpmemfsError
+from rpmemfs.pool import position
 from rpmemfs.replica.replica_set import InFlight, ReplicaError, ReplicaSet
 
 log = logging.getLogger("rpmemfs.durability")
@@ -205,6 +206,7 @@ class Durability:
             changes = self._persist_locally()
             ranges = self._for_replicas(changes)
             if ranges:
+                ranges.append(self._stamp(rs.local_buf, changes.seq))
                 try:
                     backlog.take(ranges)
                 except ReplicaError as e:
@@ -223,6 +225,14 @@ class Durability:
             if report:
                 log.error("replication barrier failed: %s", e)
             raise DurabilityError(str(e)) from None
+
+    def _stamp(self, buf: memoryview, seq: int) -> tuple[int, int]:
+        """Stamp the point's place in the history last in its batch (pool/position.py): a
+        replica holding it holds the whole point, and promote can tell how far behind it is."""
+        raw = position.encode(position.Position(seq, time.time_ns()))
+        buf[position.POSITION_OFF : position.POSITION_OFF + len(raw)] = raw
+        self._persister.persist([(position.POSITION_OFF, len(raw))])
+        return position.POSITION_OFF, len(raw)
 
     async def _replicated_point(self, rs: ReplicaSet, report: bool = True) -> None:
         outcome = _Outcome()

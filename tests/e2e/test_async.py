@@ -9,6 +9,7 @@ status shows each replica's lag, which returns to 0 once writers stop, and verif
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -95,12 +96,24 @@ def test_kill9_of_the_primary_under_fsyncs_leaves_each_replica_a_prefix_of_the_a
     acked_upto = [max(int(x) for x in a.read_text().split()) for a, _ in writers]
     # What the targets received before the primary died is placed in order: let them finish.
     time.sleep(1)
+    copies = []
+    for j, t in enumerate(targets):
+        copies.append(work_dir / f"copy{j}.pool")
+        shutil.copyfile(replica_file(t), copies[-1])
+    # promote says where each replica stood in the dead primary's history, and how far
+    # behind the most advanced one its source was.
+    res = cli("promote", work_dir / "new.pool", "--from", f"{targets[1].address}/app", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    behind = json.loads(res.stdout)["behind"]
+    stood = {spec: p["seq"] for spec, p in behind["replicas"].items()}
+    assert set(stood) == {f"{t.address}/app" for t in targets}, behind
+    assert behind["records"] == max(stood.values()) - stood[f"{targets[1].address}/app"] >= 0, behind
+    assert behind["seconds"] >= 0
+    print("promote:", behind)
     for t in targets:
         t.close()
     held = []
-    for j, t in enumerate(targets):
-        copy = work_dir / f"copy{j}.pool"
-        shutil.copyfile(replica_file(t), copy)
+    for j, copy in enumerate(copies):
         assert_check_clean(copy)
         alone = mount_pool(copy, name=f"alone{j}", options="pmem=force,min_replicas=0,replica_timeout=1")
         for i in range(2):

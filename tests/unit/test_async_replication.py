@@ -16,7 +16,9 @@ from test_replica_set import NAME, Rig, data, run, until
 
 from rpmemfs.durability import Backlog, Durability, DurabilityError
 from rpmemfs.pool.layout import BLOCK
+from rpmemfs.pool.position import Position, decode, encode
 from rpmemfs.replica import ReplicaError, ReplicaSet
+from rpmemfs.replica.promote import behind
 
 Ranges = list[tuple[int, int]]
 
@@ -282,3 +284,16 @@ def test_max_lag_must_be_positive() -> None:
         await rs.aclose()
 
     run(main)
+
+
+def test_promote_reports_how_far_behind_the_most_advanced_replica_its_source_was() -> None:
+    a, b = Position(120, 5_000_000_000), Position(100, 4_250_000_000)
+    assert behind("x", {"x": b, "y": a, "z": None}) == {
+        "replicas": {"x": b.as_dict(), "y": a.as_dict(), "z": None},
+        "most_advanced": "y", "records": 20, "seconds": 0.75}
+    assert behind("y", {"x": b, "y": a})["records"] == 0  # type: ignore[index]
+    # Replicated synchronously: no stamps, nothing to say.
+    assert behind("x", {"x": None, "y": None}) is None
+    # The stamp round-trips, and a torn one reads as none.
+    raw = encode(a)
+    assert decode(raw) == a and decode(raw[:-1] + bytes([raw[-1] ^ 1])) is None
