@@ -12,9 +12,15 @@ its buffered writes. Within a batch the order is the sync mode's (what earlier p
 data, then the log record that points at it), and every batch goes on the replica's one
 ordered barrier lane, so a replica cut off at any instant holds some points whole and a prefix
 of the next: the state of a crash of the primary in the middle of that point, which recovery
-handles (a torn or missing record is ignored). This is also why "durable" may mean "persistent
-here and queued" for the log space and the freed blocks: their reuse reaches a replica only
-after the batch that freed them.
+handles (a torn or missing record is ignored).
+
+Waiting batches are merged into one barrier (one flush), which a target persists as a whole,
+in no particular order within it. So the log space and the blocks a point frees may be reused
+(the point is "durable" to the filesystem) once it is persistent here and **posted** to every
+replica followed (:meth:`Backlog.until_posted`): a later point that reuses them is then in a
+later barrier, which each target places only after it persisted the one that freed them. A
+replica behind thus sees the primary's states in order, even across a power loss of its own
+node, as in sync mode; and posting needs no round trip, so the point still ends locally.
 
 Each in-sync replica has a :class:`Follower`: a sender that posts the batches behind its last
 one, several merged into one barrier (one batch of writes, one flush) when they are waiting,
@@ -51,7 +57,7 @@ Ranges = list[tuple[int, int]]
 # burst of that size costs no writer a wait; it is also the most memory the copies take
 # and the most acknowledged data a failover may lose, both modest for a database volume.
 DEFAULT_MAX_LAG = 64 << 20
-WINDOW = 4  # merged barriers in flight per replica
+WINDOW = 32  # merged barriers in flight per replica (what it holds is bounded by max_lag)
 MERGE_BYTES = 8 << 20  # at most this much per merged barrier (as a resync batch)
 MERGE_WRITES = 4096
 
@@ -100,16 +106,18 @@ class Backlog:
         self.total = 0  # bytes taken
         self.followers: dict[Replica, Follower] = {}
         self._moved = trio.Event()  # set (and replaced) when an acknowledgement or a failure lands
+        self._posted = trio.Event()  # set (and replaced) when batches were posted to a replica
         self._nursery: trio.Nursery | None = None
         rs.backlog_drained = self.drained
         rs.on_fell_behind = self.fell_behind
 
     # ---------------------------------------------------------------- the points
 
-    def take(self, ranges: Ranges) -> None:
+    def take(self, ranges: Ranges) -> int:
         """Queue a point's ranges with their bytes now (call under the barrier lock, right after
-        the local persist). ReplicaError, queuing nothing, when fewer than ``min_replicas``
-        are in sync (as a barrier in sync mode); replicas out of sync are marked either way."""
+        the local persist); the batch's number (what :meth:`until_posted` waits for). ReplicaError,
+        queuing nothing, when fewer than ``min_replicas`` are in sync (as a barrier in sync
+        mode); replicas out of sync are marked either way."""
         rs = self.rs
         rs.mark_missing(ranges)
         error = rs.shortfall()
@@ -126,7 +134,7 @@ class Backlog:
                 writes.append((off, bytes(buf[off : off + length])))
                 nbytes += length
         if not writes:
-            return
+            return self.count - 1
         for replica in rs.in_sync:
             f = self.followers.get(replica)
             if f is None or f.joins != replica.joins:
@@ -140,6 +148,19 @@ class Backlog:
             f.wake.set()
         self._pull_ahead()
         self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
+        return self.count - 1
+
+    def posted_upto(self) -> int:
+        """The batches before this number are posted to every replica followed."""
+        return min((f.next_post for f in self.followers.values()), default=self.count)
+
+    async def until_posted(self, n: int) -> None:
+        """Wait until batch ``n`` is posted to every replica followed (or they were left
+        behind): no barrier a later batch goes in can hold it."""
+        if self._nursery is None and self.posted_upto() <= n:
+            await self.drained()  # nobody sends: send here
+        while self.posted_upto() <= n:
+            await self._posted.wait()
 
     async def wait_room(self) -> None:
         """Wait while the replicas the policy requires lag by more than ``max_lag`` bytes;
@@ -282,6 +303,8 @@ class Backlog:
             if posted is None:  # the replica is stale now
                 self._drop(f)
                 return
+            self._posted.set()
+            self._posted = trio.Event()
             await send.send((posted, last))
 
     async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[tuple[Posted, Batch]]) -> None:
@@ -337,6 +360,8 @@ class Backlog:
             # Not failed by its transport (a membership change, say): it must resync all the same.
             f.replica.fail("left behind by the asynchronous sender")
         f.scope.cancel()
+        self._posted.set()
+        self._posted = trio.Event()
         self._release()
 
     def _release(self) -> None:
