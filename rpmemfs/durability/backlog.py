@@ -14,20 +14,23 @@ ordered barrier lane, so a replica cut off at any instant holds some points whol
 of the next: the state of a crash of the primary in the middle of that point, which recovery
 handles (a torn or missing record is ignored).
 
-Waiting batches are merged into one barrier (one flush), which a target persists as a whole,
-in no particular order within it. So the log space and the blocks a point frees may be reused
-(the point is "durable" to the filesystem) once it is persistent here and **posted** to every
-replica followed (:meth:`Backlog.until_posted`): a later point that reuses them is then in a
-later barrier, which each target places only after it persisted the one that freed them. A
-replica behind thus sees the primary's states in order, even across a power loss of its own
-node, as in sync mode; and posting needs no round trip, so the point still ends locally.
+Every batch is a barrier of its own (its writes and one flush), never merged with the next:
+a target persists one barrier's ranges in no particular order, but a lane's barriers one after
+another (it persists a flush before it reads the next frame). So the log space and the blocks
+a point frees may be reused at once (the point is "durable" to the filesystem when it is
+persistent here and queued): a later point that reuses them is a later barrier, which each
+target places only after it persisted the one that freed them. A replica behind thus sees the
+primary's states in order, even across a power loss of its own node, as in sync mode.
+(Merging waiting batches into one barrier would save flushes, but then a reuse could share a
+barrier with the record that allowed it; measured, points under load are already grouped by
+the filesystem, one batch per round of the event loop, so merging found nothing to merge.)
 
 Each in-sync replica has a :class:`Follower`: a sender that posts the batches behind its last
-one, several merged into one barrier (one batch of writes, one flush) when they are waiting,
-at most ``WINDOW`` barriers in flight, and a completer that takes their acknowledgements in
-order. A replica's **lag** is the bytes of the batches it has not acknowledged, and the age of
-the oldest of them. A replica that fails (an error, a timeout, or more than ``max_lag`` behind
-when the policy does not wait for it) is marked in the sync map for every batch it has not
+one (at once from the point itself when nothing is in flight to it), at most ``WINDOW``
+barriers in flight, and a completer that takes their acknowledgements in order. A replica's
+**lag** is the bytes of the batches it has not acknowledged, and the age of the oldest of them.
+A replica that fails (an error, a timeout, or more than ``max_lag`` behind when the policy does
+not wait for it) is marked in the sync map for every batch it has not
 acknowledged, the queued ones included, so its resync sends it just that; it never gets a
 batch from before it rejoined (the resync sent it newer bytes).
 
@@ -57,9 +60,7 @@ Ranges = list[tuple[int, int]]
 # burst of that size costs no writer a wait; it is also the most memory the copies take
 # and the most acknowledged data a failover may lose, both modest for a database volume.
 DEFAULT_MAX_LAG = 64 << 20
-WINDOW = 32  # merged barriers in flight per replica (what it holds is bounded by max_lag)
-MERGE_BYTES = 8 << 20  # at most this much per merged barrier (as a resync batch)
-MERGE_WRITES = 4096
+WINDOW = 32  # barriers in flight per replica (what they hold is bounded by max_lag)
 
 
 @dataclass(eq=False)
@@ -91,6 +92,7 @@ class Follower:
     wake: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     gone: bool = False
+    send: trio.MemorySendChannel[tuple[Posted, Batch]] | None = None  # to its completer
 
 
 class Backlog:
@@ -106,18 +108,16 @@ class Backlog:
         self.total = 0  # bytes taken
         self.followers: dict[Replica, Follower] = {}
         self._moved = trio.Event()  # set (and replaced) when an acknowledgement or a failure lands
-        self._posted = trio.Event()  # set (and replaced) when batches were posted to a replica
         self._nursery: trio.Nursery | None = None
         rs.backlog_drained = self.drained
         rs.on_fell_behind = self.fell_behind
 
     # ---------------------------------------------------------------- the points
 
-    def take(self, ranges: Ranges) -> int:
+    def take(self, ranges: Ranges) -> None:
         """Queue a point's ranges with their bytes now (call under the barrier lock, right after
-        the local persist); the batch's number (what :meth:`until_posted` waits for). ReplicaError,
-        queuing nothing, when fewer than ``min_replicas`` are in sync (as a barrier in sync
-        mode); replicas out of sync are marked either way."""
+        the local persist). ReplicaError, queuing nothing, when fewer than ``min_replicas``
+        are in sync (as a barrier in sync mode); replicas out of sync are marked either way."""
         rs = self.rs
         rs.mark_missing(ranges)
         error = rs.shortfall()
@@ -134,7 +134,7 @@ class Backlog:
                 writes.append((off, bytes(buf[off : off + length])))
                 nbytes += length
         if not writes:
-            return self.count - 1
+            return
         for replica in rs.in_sync:
             f = self.followers.get(replica)
             if f is None or f.joins != replica.joins:
@@ -144,23 +144,16 @@ class Backlog:
         self.total += nbytes
         self.batches.append(Batch(self.count, writes, nbytes, self.total, trio.current_time(), time.time()))
         self.count += 1
-        for f in self.followers.values():
-            f.wake.set()
+        for f in list(self.followers.values()):
+            if f.send is not None and f.next_post == f.next_ack == self.count - 1:
+                # Nothing in flight to it: post at once, saving a hop to its sender.
+                item = self._post_now(f)
+                if item is not None:
+                    f.send.send_nowait(item)
+            else:
+                f.wake.set()
         self._pull_ahead()
         self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
-        return self.count - 1
-
-    def posted_upto(self) -> int:
-        """The batches before this number are posted to every replica followed."""
-        return min((f.next_post for f in self.followers.values()), default=self.count)
-
-    async def until_posted(self, n: int) -> None:
-        """Wait until batch ``n`` is posted to every replica followed (or they were left
-        behind): no barrier a later batch goes in can hold it."""
-        if self._nursery is None and self.posted_upto() <= n:
-            await self.drained()  # nobody sends: send here
-        while self.posted_upto() <= n:
-            await self._posted.wait()
 
     async def wait_room(self) -> None:
         """Wait while the replicas the policy requires lag by more than ``max_lag`` bytes;
@@ -271,41 +264,40 @@ class Backlog:
         f.scope = trio.CancelScope()
         with f.scope:
             send, recv = trio.open_memory_channel[tuple[Posted, Batch]](WINDOW - 1)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._complete, f, recv)
-                await self._post(f, send)
+            f.send = send
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._complete, f, recv)
+                    await self._post(f, send)
+            finally:
+                f.send = None
 
     async def _post(self, f: Follower, send: trio.MemorySendChannel[tuple[Posted, Batch]]) -> None:
-        replica = f.replica
         while not f.gone:
             if f.next_post >= self.count:
                 await f.wake.wait()
                 f.wake = trio.Event()
                 continue
-            if replica.state is not IN_SYNC or replica.joins != f.joins or replica not in self.rs.replicas:
-                self._drop(f)
+            item = self._post_now(f)
+            if item is None:
                 return
-            writes: list[tuple[int, bytes]] = []
-            nbytes = 0
-            last: Batch | None = None
-            while f.next_post < self.count:
-                b = self._batch(f.next_post)
-                assert b is not None
-                if last is not None and (nbytes + b.nbytes > MERGE_BYTES
-                                         or len(writes) + len(b.writes) > MERGE_WRITES):
-                    break
-                writes += b.writes
-                nbytes += b.nbytes
-                last = b
-                f.next_post += 1
-            assert last is not None
-            posted = replica.post_copies(writes, nbytes)
-            if posted is None:  # the replica is stale now
-                self._drop(f)
-                return
-            self._posted.set()
-            self._posted = trio.Event()
-            await send.send((posted, last))
+            await send.send(item)
+
+    def _post_now(self, f: Follower) -> tuple[Posted, Batch] | None:
+        """Post the follower's next batch as a barrier of its own; None when its replica cannot
+        take it (it is dropped then)."""
+        replica = f.replica
+        if replica.state is not IN_SYNC or replica.joins != f.joins or replica not in self.rs.replicas:
+            self._drop(f)
+            return None
+        b = self._batch(f.next_post)
+        assert b is not None
+        posted = replica.post_copies(b.writes, b.nbytes)
+        if posted is None:  # the replica is stale now
+            self._drop(f)
+            return None
+        f.next_post += 1
+        return posted, b
 
     async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[tuple[Posted, Batch]]) -> None:
         replica = f.replica
@@ -360,8 +352,6 @@ class Backlog:
             # Not failed by its transport (a membership change, say): it must resync all the same.
             f.replica.fail("left behind by the asynchronous sender")
         f.scope.cancel()
-        self._posted.set()
-        self._posted = trio.Event()
         self._release()
 
     def _release(self) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Protocol
@@ -118,8 +117,6 @@ class Durability:
         self._last = _Outcome.settled()
         self.stats = Stats()
         self.backlog = backlog  # asynchronous replication, else None
-        # Async points not yet marked durable: (batch number, seq, tail), in point order.
-        self._unmarked: deque[tuple[int, int, int]] = deque()
 
     async def point(self, *, background: bool = False) -> None:
         """A durability point: DurabilityError when the policy's replicas did not all get it.
@@ -208,11 +205,10 @@ class Durability:
         async with rs.lock:
             changes = self._persist_locally()
             ranges = self._for_replicas(changes)
-            n = backlog.count - 1
             if ranges:
                 ranges.append(self._stamp(rs.local_buf, changes.seq))
                 try:
-                    n = backlog.take(ranges)
+                    backlog.take(ranges)
                 except ReplicaError as e:
                     # As in sync mode: nothing went out, the next point carries the ranges.
                     self._carry[:0] = ranges
@@ -220,14 +216,9 @@ class Durability:
                     if report:
                         log.error("replication barrier failed: %s", e)
                     raise DurabilityError(str(e)) from None
-            self._unmarked.append((n, changes.seq, changes.tail))
-        # Persistent here, and posted to the replicas ahead of any later point: reuse of what
-        # it freed is safe everywhere (backlog.py). Marked in point order.
-        await backlog.until_posted(n)
-        upto = backlog.posted_upto()
-        while self._unmarked and self._unmarked[0][0] < upto:
-            _, seq, tail = self._unmarked.popleft()
-            self._source.mark_durable(seq, tail)
+            # Persistent here and queued as a barrier of its own, ahead of any later point that
+            # would reuse what it freed: reuse is safe on every replica (backlog.py).
+            self._source.mark_durable(changes.seq, changes.tail)
         try:
             await backlog.wait_room()
         except ReplicaError as e:
