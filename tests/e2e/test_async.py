@@ -9,9 +9,11 @@ status shows each replica's lag, which returns to 0 once writers stop, and verif
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -19,8 +21,9 @@ import time
 import zlib
 from pathlib import Path
 
+import pytest
 from conftest import MountPool
-from helpers import assert_check_clean, cli, pool_content, replica_file, status_json, wait_until
+from helpers import assert_check_clean, cli, pool_content, replica_file, status_json, wait_until, write_fsync
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -169,3 +172,40 @@ def test_bad_replication_options_are_refused_with_a_clear_message(
         m = mount_pool(pool, name=f"bad{i}", options=f"pmem=force,{opts}", start=False)
         out = m.start_expect_failure()
         assert says in out, out
+
+
+def test_a_stopped_replica_holds_writers_at_max_lag_then_eio_and_it_rejoins(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """min_replicas=all: a replica that stops answering lets writers run ahead of it by
+    max_lag (1M here) and no further; at replica_timeout it is left out, marked for all it did
+    not acknowledge, and fsync says EIO until it is back; then it resyncs and verify is clean."""
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    m = mount_pool(pool, options=ASYNC)
+    write_fsync_file = m.path / "stream"
+    proc = targets[1].proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    acked = 0
+    chunk = os.urandom(64 << 10)
+    fd = os.open(write_fsync_file, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        with pytest.raises(OSError) as err:
+            for _ in range(200):
+                os.write(fd, chunk)
+                os.fsync(fd)
+                acked += len(chunk)
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+        os.kill(proc.pid, signal.SIGCONT)
+    # Writers went on until the replica lagged by max_lag, not much further, and not less.
+    assert 1 << 19 <= acked <= (1 << 20) + len(chunk), acked
+    assert wait_until(lambda: [r["state"] for r in status_json(m.path)["replicas"]] == ["in-sync"] * 2, 30)
+    write_fsync(m.path / "after", b"both again")
+    assert wait_until(lambda: all(r["lag_bytes"] == 0 for r in status_json(m.path)["replicas"]), 10)
+    res = cli("verify", m.path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m.unmount()
+    for t in targets:
+        assert pool_content(replica_file(t)) == pool_content(pool)
