@@ -112,6 +112,11 @@ class Backlog:
         rs.backlog_drained = self.drained
         rs.on_fell_behind = self.fell_behind
 
+    @classmethod
+    def for_mode(cls, rs: Barriers, replication: str, max_lag: int | None) -> Backlog | None:
+        """The backlog of a mount with ``-o replication=`` (None for sync)."""
+        return cls(rs, max_lag or DEFAULT_MAX_LAG) if replication == "async" else None
+
     # ---------------------------------------------------------------- the points
 
     def take(self, ranges: Ranges) -> None:

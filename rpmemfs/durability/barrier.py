@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -138,6 +138,16 @@ class Durability:
         the periodic commit, `rpmemfs flush`, verify and unmount mean by "durable everywhere"."""
         await self.point(background=background)
         await self.drain()
+
+    def replication_status(self) -> dict[str, Any]:
+        b = self.backlog
+        return {"replication": "sync" if b is None else "async", "backlog": None if b is None else b.status()}
+
+    def with_lag(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The replica set's status rows, with each replica's lag in async mode."""
+        if self.backlog is not None and self._replicas is not None:
+            self.backlog.annotate(self._replicas.replicas, rows)
+        return rows
 
     @asynccontextmanager
     async def senders(self) -> AsyncIterator[None]:

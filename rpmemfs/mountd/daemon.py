@@ -15,7 +15,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from rpmemfs.durability import DEFAULT_MAX_LAG, Backlog, Committer, Durability, DurabilityError, StaleTable
+from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError, StaleTable
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
@@ -155,18 +155,13 @@ class Mounted:
             "replicas": self._replica_status(),
             "oldest_barrier_s": (round(self.replicas.oldest_in_flight(), 3)
                                  if self.replicas is not None else 0.0),
-            "replication": self.mo.replication,
-            "backlog": (self.durability.backlog.status() if self.durability.backlog is not None
-                        else None),
+            **self.durability.replication_status(),
             "started": self.durability.stats.started,
         }
 
     def _replica_status(self) -> list[dict[str, Any]]:
         if self.replicas is not None:
-            rows = self.replicas.status()
-            if self.durability.backlog is not None:
-                self.durability.backlog.annotate(self.replicas.replicas, rows)
-            return rows
+            return self.durability.with_lag(self.replicas.status())
         if self.fenced:
             return [{"address": s.address, "name": s.name, "state": ReplicaState.STALE,
                      "last_error": f"fenced: {self.fenced}"} for s in self.specs]
@@ -275,10 +270,8 @@ class Mounted:
         self.replicas = rs
         table = StaleTable(self.mapping.buf, self.specs, self.table_token_file, self.stale)
         # The new epoch reaches the replicas with the first durability point.
-        async_ = self.mo.replication == "async"
-        backlog = Backlog(rs, self.mo.max_lag or DEFAULT_MAX_LAG) if async_ else None
         self.durability = Durability(self.fs, self.mapping, rs, table, carry=self.header_ranges,
-                                     backlog=backlog)
+                                     backlog=Backlog.for_mode(rs, self.mo.replication, self.mo.max_lag))
         self.durability.note_replicas()
         self.membership = Membership(self.pool, self.specs, rs, self.durability, table, self.mapping.buf,
                                      self.fs.hdr.uuid, (self.prev_epoch, epoch), token,
