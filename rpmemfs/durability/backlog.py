@@ -41,7 +41,6 @@ within about ``max_lag`` plus the points being taken at that moment.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,8 +50,6 @@ import trio
 
 from rpmemfs.replica.barriers import Barriers, ReplicaError
 from rpmemfs.replica.replica import IN_SYNC, Posted, Replica
-
-log = logging.getLogger("rpmemfs.durability")
 
 Ranges = list[tuple[int, int]]
 

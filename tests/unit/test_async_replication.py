@@ -14,7 +14,7 @@ import pytest
 import trio
 from test_replica_set import NAME, Rig, data, run, until
 
-from rpmemfs.durability import Backlog, Durability, DurabilityError
+from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError
 from rpmemfs.pool.layout import BLOCK
 from rpmemfs.pool.position import Position, decode, encode
 from rpmemfs.replica import ReplicaError, ReplicaSet
@@ -299,3 +299,39 @@ def test_promote_reports_how_far_behind_the_most_advanced_replica_its_source_was
     # The stamp round-trips, and a torn one reads as none.
     raw = encode(a)
     assert decode(raw) == a and decode(raw[:-1] + bytes([raw[-1] ^ 1])) is None
+
+
+def test_the_periodic_commit_and_the_barrier_drain_wait_until_the_replicas_hold_everything() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        for t in rig.targets:
+            t.delay(0.5)
+        src = Source()
+        backlog = Backlog(rs)
+        d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            block = [data(rig.hdr, 21)]
+            rig.scribble(block)
+            src.queue.append(Changes(data=block, seq=1))
+            t0 = trio.current_time()
+            assert await Committer(d, 5).tick()  # a point, then until the replicas hold it
+            assert trio.current_time() - t0 == pytest.approx(0.5)
+            assert rig.replica_holds(0, block) and rig.replica_holds(1, block)
+            # What a live repair or a removal waits for under the barrier lock: nothing owed.
+            more = [data(rig.hdr, 22)]
+            rig.scribble(more)
+            src.queue.append(Changes(data=more, seq=2))
+            await d.point()
+            lag = backlog.lag(rs.replicas[1])
+            assert lag is not None and lag["lag_bytes"] > 0  # not acknowledged yet
+            async with rs.lock:
+                await rs.drain()
+                assert rig.replica_holds(0, more) and rig.replica_holds(1, more)
+                assert not backlog.batches
+                assert all(backlog.lag(r) == {**(backlog.lag(r) or {}), "lag_bytes": 0} for r in rs.replicas)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
