@@ -385,6 +385,13 @@ def cmd_promote(args: argparse.Namespace) -> int:
         print(f"  NOT REACHED: {spec}: {why}; it is fenced the first time the new primary reaches it")
     print(f"  copied {result['bytes_copied']} bytes ({result['chunks_differing']} chunks differed), "
           f"{result['chunks_compared']} chunks verified by checksum, {result['seconds']:.2f} s")
+    b = result.get("behind")
+    if b is not None and b["records"] == 0:
+        print("  the source held the latest point of every replica reached (replication=async)")
+    elif b is not None and b["records"] is not None:
+        print(f"  the source was {b['records']} log records ({b['seconds']:.3f} s of the old primary's "
+              f"history) behind {b['most_advanced']}, the most advanced replica reached "
+              "(replication=async): those changes are lost")
     print(f"  next: rpmemfs mount {result['pool']} MOUNTPOINT")
     return 0
 

@@ -117,6 +117,9 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
                                 labels=labels)
     lag = GaugeMetricFamily("rpmemfs_replica_lag_bytes", "bytes the replica misses (NaN: unknown "
                             "until it is compared in full)", labels=labels)
+    lag_s = GaugeMetricFamily("rpmemfs_replica_lag_seconds", "replication=async: the age of the "
+                              "oldest point the replica has not acknowledged (0: it holds them all; "
+                              "out of sync: how long it has been)", labels=labels)
     behind = GaugeMetricFamily("rpmemfs_replica_behind_seconds", "how long the replica has been out "
                                "of sync (0 in sync)", labels=labels)
     sent = CounterMetricFamily("rpmemfs_replica_sent_bytes", "bytes replicated by barriers",
@@ -134,6 +137,7 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         in_sync.add_metric(v, 1.0 if r.get("state") == "in-sync" else 0.0)
         lb = r.get("lag_bytes")
         lag.add_metric(v, float(lb) if isinstance(lb, int) else math.nan)
+        lag_s.add_metric(v, float(r.get("lag_seconds") or 0))
         since = r.get("behind_since")
         behind.add_metric(v, max(0.0, now - since) if isinstance(since, (int, float)) else 0.0)
         sent.add_metric(v, float(r.get("bytes") or 0))
@@ -144,7 +148,7 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         hist = st["replica_histograms"].get(v[0])
         if hist is not None:
             _add_histogram(latency, v, hist)
-    yield from (state, in_sync, lag, behind, sent, barriers, resyncs, progress, latency)
+    yield from (state, in_sync, lag, lag_s, behind, sent, barriers, resyncs, progress, latency)
 
 
 def target_families(st: dict[str, Any]) -> Iterator[Metric]:

@@ -20,20 +20,28 @@ complete, end; pipelined, in log order, with what failed sent again.
    durable (:meth:`ChangeSource.mark_durable`): the log may reuse its space and the blocks
    freed by those changes become reusable. A failed point ends nothing: its ranges are carried
    to the next point, and the caller gets :class:`DurabilityError`.
+
+With asynchronous replication (a :class:`~rpmemfs.durability.backlog.Backlog`), steps 3 and 4
+are the backlog's: under the lock the point's bytes are copied into it, the point ends at once,
+and the caller waits only while the replicas lag by more than ``max_lag`` (backlog.py says why
+ending the point there is safe for the replicas too).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
 
 import trio
 
+from rpmemfs.durability.backlog import Backlog
 from rpmemfs.durability.stale_table import StaleTable
 from rpmemfs.durability.stats import Stats
 from rpmemfs.errors import RpmemfsError
+from rpmemfs.pool import position
 from rpmemfs.replica.replica_set import InFlight, ReplicaError, ReplicaSet
 
 log = logging.getLogger("rpmemfs.durability")
@@ -98,7 +106,8 @@ class Durability:
     """
 
     def __init__(self, source: ChangeSource, persister: Persister, replicas: ReplicaSet | None = None,
-                 stale_table: StaleTable | None = None, carry: Iterable[tuple[int, int]] = ()) -> None:
+                 stale_table: StaleTable | None = None, carry: Iterable[tuple[int, int]] = (),
+                 backlog: Backlog | None = None) -> None:
         self._source = source
         self._persister = persister
         self._replicas = replicas
@@ -107,6 +116,7 @@ class Durability:
         self._carry: Ranges = list(carry)
         self._last = _Outcome.settled()
         self.stats = Stats()
+        self.backlog = backlog  # asynchronous replication, else None
 
     async def point(self, *, background: bool = False) -> None:
         """A durability point: DurabilityError when the policy's replicas did not all get it.
@@ -116,10 +126,51 @@ class Durability:
         t0 = time.perf_counter_ns()
         if self._replicas is None:
             self.sync_local()
+        elif self.backlog is not None:
+            await self._queued_point(self._replicas, self.backlog, report=not background)
         else:
             await self._replicated_point(self._replicas, report=not background)
         if not background:
             self.stats.add(time.perf_counter_ns() - t0)
+
+    async def flush(self, *, background: bool = False) -> None:
+        """A point, and (in async mode) until the replicas hold everything taken so far: what
+        the periodic commit, `rpmemfs flush`, verify and unmount mean by "durable everywhere"."""
+        await self.point(background=background)
+        await self.drain()
+
+    def replication_status(self) -> dict[str, Any]:
+        b = self.backlog
+        return {"replication": "sync" if b is None else "async", "backlog": None if b is None else b.status()}
+
+    def with_lag(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The replica set's status rows, with each replica's lag in async mode."""
+        if self.backlog is not None and self._replicas is not None:
+            self.backlog.annotate(self._replicas.replicas, rows)
+        return rows
+
+    @asynccontextmanager
+    async def senders(self) -> AsyncIterator[None]:
+        """Async mode: the backlog's senders run while this block does."""
+        if self.backlog is None:
+            yield
+            return
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.backlog.run)
+            yield
+            nursery.cancel_scope.cancel()
+
+    async def drain(self) -> None:
+        """Async mode: wait until the replicas acknowledged every point taken (lag 0);
+        DurabilityError when fewer than min_replicas are left in sync. Else nothing."""
+        rs, backlog = self._replicas, self.backlog
+        if rs is None or backlog is None:
+            return
+        await backlog.drained()
+        self.note_replicas()
+        error = rs.shortfall()
+        if error is not None:
+            raise DurabilityError(str(error))
 
     def pending(self) -> bool:
         """Whether a point would have anything to do: changes not handed to a point yet, or
@@ -159,6 +210,40 @@ class Durability:
             ranges.append((c.log[0], len(c.log[1])))
         self._carry = []
         return ranges
+
+    async def _queued_point(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
+        async with rs.lock:
+            changes = self._persist_locally()
+            ranges = self._for_replicas(changes)
+            if ranges:
+                ranges.append(self._stamp(rs.local_buf, changes.seq))
+                try:
+                    backlog.take(ranges)
+                except ReplicaError as e:
+                    # As in sync mode: nothing went out, the next point carries the ranges.
+                    self._carry[:0] = ranges
+                    self.note_replicas()
+                    if report:
+                        log.error("replication barrier failed: %s", e)
+                    raise DurabilityError(str(e)) from None
+            # Persistent here and queued as a barrier of its own, ahead of any later point that
+            # would reuse what it freed: reuse is safe on every replica (backlog.py).
+            self._source.mark_durable(changes.seq, changes.tail)
+        try:
+            await backlog.wait_room()
+        except ReplicaError as e:
+            self.note_replicas()
+            if report:
+                log.error("replication barrier failed: %s", e)
+            raise DurabilityError(str(e)) from None
+
+    def _stamp(self, buf: memoryview, seq: int) -> tuple[int, int]:
+        """Stamp the point's place in the history last in its batch (pool/position.py): a
+        replica holding it holds the whole point, and promote can tell how far behind it is."""
+        raw = position.encode(position.Position(seq, time.time_ns()))
+        buf[position.POSITION_OFF : position.POSITION_OFF + len(raw)] = raw
+        self._persister.persist([(position.POSITION_OFF, len(raw))])
+        return position.POSITION_OFF, len(raw)
 
     async def _replicated_point(self, rs: ReplicaSet, report: bool = True) -> None:
         outcome = _Outcome()

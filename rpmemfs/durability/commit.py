@@ -57,7 +57,7 @@ class Committer:
             # Shielded: a point cancelled in flight would fail its replicas for nothing (the
             # mount is ending and its final point follows); it is bounded by replica_timeout.
             with trio.CancelScope(shield=True):
-                await self.durability.point(background=True)
+                await self.durability.flush(background=True)
         except DurabilityError as exc:
             self._failed(str(exc), exc.unexpected)
             return False

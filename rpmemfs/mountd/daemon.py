@@ -15,7 +15,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from rpmemfs.durability import Committer, Durability, DurabilityError, StaleTable
+from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError, StaleTable
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations, session_fd
 from rpmemfs.mountd import control
@@ -157,12 +157,13 @@ class Mounted:
             "replicas": self._replica_status(),
             "oldest_barrier_s": (round(self.replicas.oldest_in_flight(), 3)
                                  if self.replicas is not None else 0.0),
+            **self.durability.replication_status(),
             "started": self.durability.stats.started,
         }
 
     def _replica_status(self) -> list[dict[str, Any]]:
         if self.replicas is not None:
-            return self.replicas.status()
+            return self.durability.with_lag(self.replicas.status())
         if self.fenced:
             return [{"address": s.address, "name": s.name, "state": ReplicaState.STALE,
                      "last_error": f"fenced: {self.fenced}"} for s in self.specs]
@@ -275,7 +276,8 @@ class Mounted:
         self.replicas = rs
         table = StaleTable(self.mapping.buf, self.specs, self.table_token_file, self.stale)
         # The new epoch reaches the replicas with the first durability point.
-        self.durability = Durability(self.fs, self.mapping, rs, table, carry=self.header_ranges)
+        self.durability = Durability(self.fs, self.mapping, rs, table, carry=self.header_ranges,
+                                     backlog=Backlog.for_mode(rs, self.mo.replication, self.mo.max_lag))
         self.durability.note_replicas()
         self.membership = Membership(self.pool, self.specs, rs, self.durability, table, self.mapping.buf,
                                      self.fs.hdr.uuid, (self.prev_epoch, epoch), token,
@@ -329,7 +331,7 @@ class Mounted:
         try:
             # Shielded: an asker that goes away must not cut a point short in flight.
             with trio.CancelScope(shield=True):
-                await self.durability.point()
+                await self.durability.flush()
         except DurabilityError as e:
             return {"error": f"flush of {self.mountpoint} failed: {e}"}
         rs = self.replicas
@@ -351,7 +353,7 @@ class Mounted:
 
         async def work(count: Callable[[int], None]) -> dict[str, Any]:
             report = VerifyReport(self.pool, len(self.mapping.buf), chunk)
-            report.replicas = await rs.verify(chunk, self.durability.point, count)
+            report.replicas = await rs.verify(chunk, self.durability.flush, count)
             report.seconds = time.monotonic() - t0
             return report.as_dict()
 
@@ -411,23 +413,25 @@ class Mounted:
         self.ending = ending = Ending(self.mountpoint, self.pool)
         self.start()
         ready()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ending.signals, pyfuse3.terminate, self.reload_token)
-            nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
-            nursery.start_soon(self.ops.poller.run)
-            if self.replicas is not None:
-                nursery.start_soon(self.replicas.keep, self.durability.note_replicas)
-            if self.mo.commit:
-                self.committer = Committer(self.durability, self.mo.commit)
-                nursery.start_soon(self.committer.run)
-            await nursery.start(control.serve, self.control_path, self.control_handlers())
-            stop_metrics = self._serve_metrics()
-            try:
-                await pyfuse3.main()
-            finally:
-                stop_metrics()
-            nursery.cancel_scope.cancel()
-        await self._last_barrier()
+        # replication=async: the senders outlive the tasks below, the last point drains them.
+        async with self.durability.senders():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ending.signals, pyfuse3.terminate, self.reload_token)
+                nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
+                nursery.start_soon(self.ops.poller.run)
+                if self.replicas is not None:
+                    nursery.start_soon(self.replicas.keep, self.durability.note_replicas)
+                if self.mo.commit:
+                    self.committer = Committer(self.durability, self.mo.commit)
+                    nursery.start_soon(self.committer.run)
+                await nursery.start(control.serve, self.control_path, self.control_handlers())
+                stop_metrics = self._serve_metrics()
+                try:
+                    await pyfuse3.main()
+                finally:
+                    stop_metrics()
+                nursery.cancel_scope.cancel()
+            await self._last_barrier()
 
     def _serve_metrics(self) -> Callable[[], None]:
         if self.mo.metrics is None:
@@ -451,10 +455,10 @@ class Mounted:
     async def _last_barrier(self) -> None:
         """Unmounted: make everything durable everywhere, with a checkpoint if the log is long."""
         try:
-            await self.durability.point()
+            await self.durability.flush()
             if self.fs.log.used > self.fs.log.capacity // 4:
                 self.fs.checkpoint()
-                await self.durability.point()
+                await self.durability.flush()
             # Every in-sync replica has all of the pool, the others' misses are in the map.
             self.clean = True
         except Exception as e:

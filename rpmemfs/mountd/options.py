@@ -11,11 +11,13 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rpmemfs.durability.backlog import DEFAULT_MAX_LAG
 from rpmemfs.durability.commit import DEFAULT_COMMIT, MAX_COMMIT
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.pmem import PMEM_MODES
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
 from rpmemfs.transport.address import parse_address
+from rpmemfs.units import human, parse_size
 
 # Options mount(8) and fstab hand every helper; they mean nothing to us.
 IGNORED = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto", "user",
@@ -32,6 +34,8 @@ class MountOptions:
     min_replicas: int | None = None  # None: all recorded replicas
     replica_timeout: float = 10.0
     commit: float = DEFAULT_COMMIT  # seconds between periodic commits; 0: none
+    replication: str = "sync"  # or "async": fsync is local, replicas follow (docs/replication.md)
+    max_lag: int | None = None  # async: bytes the required replicas may lag (None: DEFAULT_MAX_LAG)
     token_file: str | None = None
     writeback_cache: bool = False
     poll_us: int = DEFAULT_POLL_US
@@ -78,6 +82,26 @@ def _commit(mo: MountOptions, value: str) -> None:
     mo.commit = _seconds(value, "commit", 0, MAX_COMMIT, True)
 
 
+REPLICATION_MODES = ("sync", "async")
+MAX_MAX_LAG = 1 << 40  # the copies are held in memory: a TiB is surely a typo
+
+
+def _replication(mo: MountOptions, value: str) -> None:
+    if value not in REPLICATION_MODES:
+        raise MountError(f"replication= must be sync or async, not {value!r}")
+    mo.replication = value
+
+
+def _max_lag(mo: MountOptions, value: str) -> None:
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise MountError(f"max_lag= needs a size like 64M (bytes, or with K, M, G), not {value!r}") from None
+    if not 0 < size < MAX_MAX_LAG:
+        raise MountError(f"max_lag= must be above 0 and below {human(MAX_MAX_LAG)}, not {value!r}")
+    mo.max_lag = size
+
+
 def _poll_us(mo: MountOptions, value: str) -> None:
     # How long the daemon keeps polling /dev/fuse after a request (rpmemfs/poller.py).
     if not value.isdigit() or int(value) > MAX_POLL_US:
@@ -121,6 +145,11 @@ OPTIONS: dict[str, tuple[bool, str, str, Callable[[MountOptions, str], None]]] =
                      _min_replicas),
     "replica_timeout": (True, "replica_timeout=S", "deadline of every network wait (default 10)",
                         _replica_timeout),
+    "replication": (True, "replication=sync|async", "sync (default): fsync returns once the "
+                    "replicas acknowledged; async: once persistent locally, the replicas following "
+                    "in order in the background (docs/replication.md)", _replication),
+    "max_lag": (True, "max_lag=SIZE", f"async: writers wait while the replicas min_replicas "
+                f"requires lag by more than SIZE (default {DEFAULT_MAX_LAG >> 20}M)", _max_lag),
     "commit": (True, "commit=S", f"a durability point every S seconds when something changed "
                f"(default {DEFAULT_COMMIT:g}, 0: off)", _commit),
     "token_file": (True, "token_file=F", "token for the target daemons (default: the one recorded "
@@ -175,4 +204,6 @@ def parse_options(opts: list[str]) -> MountOptions:
             if takes_value != bool(eq):
                 raise MountError(f"mount option {opt!r}: write it as {shown}")
             apply(mo, value)
+    if mo.max_lag is not None and mo.replication != "async":
+        raise MountError("max_lag= applies only with replication=async")
     return mo

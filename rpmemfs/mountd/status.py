@@ -58,11 +58,23 @@ def _when(ts: object) -> str:
 
 def _lag(r: dict[str, Any]) -> str:
     if r.get("state") == "in-sync":
+        # replication=async: what it has not acknowledged yet, and the oldest point's age
+        lag, age = r.get("lag_bytes"), r.get("lag_seconds")
+        if isinstance(lag, int) and lag and isinstance(age, (int, float)):
+            return f"{human(lag)}, {age:.2f}s"
         return "0"
     lag = r.get("lag_bytes")
     behind = r.get("behind_since")
     since = f", {_duration(time.time() - behind)}" if isinstance(behind, (int, float)) else ""
     return (human(lag) if isinstance(lag, int) else "all (compare)") + since
+
+
+def _replication(st: dict[str, Any]) -> list[str]:
+    backlog = st.get("backlog")
+    if st.get("replication") != "async" or not isinstance(backlog, dict):
+        return []
+    return [f"  replication async, max_lag {human(int(backlog.get('max_lag', 0)))}; queued "
+            f"{human(int(backlog.get('queued_bytes', 0)))} in {backlog.get('queued_batches')} points"]
 
 
 def _progress(r: dict[str, Any]) -> str:
@@ -93,6 +105,7 @@ def format_status(st: dict[str, Any]) -> str:
         f"  pmem     {st.get('pmem_mode')} (requested {st.get('pmem_requested')})",
         f"  epoch    {st.get('epoch')}   min_replicas {st.get('min_replicas')}   up {uptime}   "
         f"pid {st.get('pid')}",
+        *_replication(st),
         f"  fsync    {st.get('fsync_count')} calls, p50 {lat.get('p50', 0):.1f} us, "
         f"p99 {lat.get('p99', 0):.1f} us; commit {every}",
     ]

@@ -13,6 +13,7 @@ This is the hot path of every fsync, so it is kept on its own: `Barriers` is the
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -79,6 +80,12 @@ class Barriers:
         self._inflight = 0
         self._waiting: set[InFlight] = set()  # posted to some replica, not complete
         self._drained = trio.Event()
+        # Asynchronous replication (durability/backlog.py): waits until the replicas hold
+        # every point taken so far, so that drain() means no barrier is owed to them.
+        self.backlog_drained: Callable[[], Awaitable[None]] | None = None
+        # Asynchronous replication: told at once when a replica falls behind, so that what
+        # was still queued for it is marked in the sync map before its keeper resyncs it.
+        self.on_fell_behind: Callable[[Replica], None] = lambda replica: None
         # Where the pool starts, for the C code that builds and sends barriers; released
         # in ReplicaSet.aclose(), so the mapping can be closed afterwards.
         self._local = LocalPool(local_buf, ffi.from_buffer(local_buf))
@@ -180,6 +187,15 @@ class Barriers:
         if len(acked) < min(flight.required, self.min_replicas):
             raise self._shortfall(len(acked), "barrier acknowledged by too few replicas")
 
+    def mark_missing(self, ranges: list[tuple[int, int]]) -> None:
+        """Mark ``ranges`` for every replica out of sync now (they get them by resync)."""
+        self._mark([r for r in self.replicas if r.state is not IN_SYNC], ranges)
+
+    def shortfall(self) -> ReplicaError | None:
+        """The error a point gets when fewer than ``min_replicas`` are in sync now, else None."""
+        n = len(self.in_sync)
+        return self._shortfall(n, "too few replicas in sync") if n < self.min_replicas else None
+
     def _mark(self, replicas: list[Replica], ranges: list[tuple[int, int]]) -> None:
         if replicas and self.syncmap is not None:
             self.syncmap.mark([r.slot for r in replicas], ranges)
@@ -194,6 +210,8 @@ class Barriers:
 
     async def drain(self) -> None:
         """Wait until no posted barrier is in flight (call with the barrier lock held)."""
+        if self.backlog_drained is not None:
+            await self.backlog_drained()
         while self._inflight:
             await self._drained.wait()
 

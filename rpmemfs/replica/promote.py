@@ -12,7 +12,11 @@ primary can never write the replicas again.
 4. Copy the pool from the source, which cannot change underneath now: only the chunks that
    differ when NEWPOOL already holds an older copy of this pool (a fail-back), all of it
    otherwise; then compare every chunk with the source by checksum.
-5. Give NEWPOOL the new epoch, the same replica list, and a sync map under that epoch in which
+5. Say how far behind the source was (replication=async): the place in the history each
+   replica holds (pool/position.py: the log sequence number and time of its last point),
+   compared with the most advanced replica reached. The primary is dead, so nothing knows what
+   it held beyond that: only what the replicas reached hold can be compared.
+6. Give NEWPOOL the new epoch, the same replica list, and a sync map under that epoch in which
    the source is in sync and every other replica is compared in full when NEWPOOL is mounted.
 
 A replica that could not be reached is fenced the first time the new primary reaches it: its
@@ -31,6 +35,7 @@ from typing import Any
 import trio
 
 from rpmemfs.pmem import PmemError, PoolMapping
+from rpmemfs.pool import position
 from rpmemfs.pool.header import read_header, write_header
 from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
 from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
@@ -98,8 +103,9 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         seen = [hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)]
         epoch = new_epoch(seen)
         # Fence first: once a replica recorded this claim, the old primary cannot write it.
+        held = {str(source): position.decode(head[position.POSITION_OFF:])}
         try:
-            claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout)
+            claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout, held)
             with trio.fail_after(timeout):
                 session, region = await _claim(source, token, epoch, who, timeout, lanes=1)
             async with session:
@@ -125,7 +131,23 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
     return {"pool": pool, "from": str(source), "epoch": show_epoch(epoch),
             "replicas": [str(s) for s in specs], "claimed": [str(source), *claimed],
             "unreachable": unreachable, "bytes_copied": copied, "chunks_compared": compared,
-            "chunks_differing": differing, "seconds": round(time.monotonic() - t0, 3)}
+            "chunks_differing": differing, "behind": behind(str(source), held),
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def behind(source: str, held: dict[str, position.Position | None]) -> dict[str, Any] | None:
+    """How far the source was behind the most advanced replica reached (records and seconds
+    of the primary's history), and where each stood; None when none holds a stamp (the pool
+    was replicated synchronously: every in-sync replica held every acknowledged point)."""
+    known = {spec: pos for spec, pos in held.items() if pos is not None}
+    if not known:
+        return None
+    ahead_spec, ahead = max(known.items(), key=lambda kv: kv[1].seq)
+    mine = known.get(source)
+    return {"replicas": {spec: pos.as_dict() if pos else None for spec, pos in held.items()},
+            "most_advanced": ahead_spec,
+            "records": ahead.seq - mine.seq if mine else None,
+            "seconds": round((ahead.time_ns - mine.time_ns) / 1e9, 3) if mine else None}
 
 
 async def _check_still_held(specs: list[ReplicaSpec], token: bytes | None, epoch: int,
@@ -136,7 +158,8 @@ async def _check_still_held(specs: list[ReplicaSpec], token: bytes | None, epoch
 
 
 async def _claim_others(specs: list[ReplicaSpec], probes: list[Probe], token: bytes | None, epoch: int,
-                        who: dict[str, Any], timeout: float) -> tuple[list[str], dict[str, str]]:
+                        who: dict[str, Any], timeout: float, held: dict[str, position.Position | None]
+                        ) -> tuple[list[str], dict[str, str]]:
     claimed: list[str] = []
     unreachable: dict[str, str] = {}
     for spec, probe in zip(specs, probes, strict=True):
@@ -145,8 +168,10 @@ async def _claim_others(specs: list[ReplicaSpec], probes: list[Probe], token: by
             continue
         try:
             with trio.fail_after(timeout):
-                session, _region = await _claim(spec, token, epoch, who, timeout)
-                await session.aclose()
+                session, region = await _claim(spec, token, epoch, who, timeout, lanes=1)
+                async with session:
+                    raw = await session.lanes[0].read(region, position.POSITION_OFF, position.SIZE)
+                held[str(spec)] = position.decode(raw)
         except trio.TooSlowError:
             unreachable[str(spec)] = f"replica {spec}: no answer within {timeout:g}s"
             continue

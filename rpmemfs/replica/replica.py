@@ -17,7 +17,16 @@ import trio
 
 from rpmemfs.latency import Histogram
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.transport.base import Lane, LocalPool, Method, RemoteRegion, Session, Ticket, TransportError
+from rpmemfs.transport.base import (
+    BytesLike,
+    Lane,
+    LocalPool,
+    Method,
+    RemoteRegion,
+    Session,
+    Ticket,
+    TransportError,
+)
 
 
 class ReplicaState(StrEnum):
@@ -97,6 +106,9 @@ class Replica:
         self.claimed = False  # its session claimed the pool (only a claimant may mark a resync)
         # Set whenever the replica falls out of sync: its keeper reconnects it.
         self.fell_behind = trio.Event()
+        # Times it joined: an asynchronous sender that served it before it fell behind must
+        # not serve it again after it rejoined (the resync sent it newer bytes meanwhile).
+        self.joins = 0
 
     def attach(self, session: Session, region: RemoteRegion) -> None:
         """Take the session's lanes; the caller brings the replica in sync (see ReplicaSet)."""
@@ -131,6 +143,7 @@ class Replica:
     def joined(self) -> None:
         """In sync again (its resync is done): every barrier from now on reaches it."""
         self.move(IN_SYNC)
+        self.joins += 1
         self.behind_since = None
         self.fell_behind = trio.Event()
         self.last_error = self.last_error_at = None
@@ -164,6 +177,19 @@ class Replica:
             self.fail(str(exc))
             return None
         return Posted(self, lane, ticket, len(ranges), nbytes, time.perf_counter_ns())
+
+    def post_copies(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int) -> Posted | None:
+        """:meth:`post` of bytes copied from the local pool at a durability point (asynchronous
+        replication sends them after the mapping moved on), each to the same offset."""
+        if self.state is not IN_SYNC or self.region is None or not self.lanes:
+            return None
+        lane = self.barrier_lane
+        try:
+            ticket = lane.post_barrier(self.region, writes, self.method)
+        except TransportError as exc:
+            self.fail(str(exc))
+            return None
+        return Posted(self, lane, ticket, len(writes), nbytes, time.perf_counter_ns())
 
     def _completed(self, posted: Posted) -> bool:
         self.latency.observe_ns(time.perf_counter_ns() - posted.started)

@@ -239,6 +239,7 @@ class ReplicaSet(Barriers):
             if replica.state is IN_SYNC:
                 await replica.fell_behind.wait()
                 log.warning("replica %s fell behind: %s", replica.spec, replica.last_error)
+                self.on_fell_behind(replica)
                 on_change()
                 await replica.aclose(self.timeout)
                 backoff = self.reconnect_interval

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rpmemfs.cliparse import ArgumentParser
-from rpmemfs.tools.bench.targets import DEFAULT_TARGETS, PROTECTION_TARGETS, REPLICA_TARGETS, TARGET_NAMES
+from rpmemfs.tools.bench.targets import (
+    ASYNC_TARGETS,
+    DEFAULT_TARGETS,
+    PROTECTION_TARGETS,
+    REPLICA_TARGETS,
+    TARGET_NAMES,
+)
 from rpmemfs.tools.bench.workloads import WORKLOADS
 
 MOUNT100K = "mount100k"
@@ -56,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", action="store_true",
                    help=f"compare 0, 1 and 2 replicas: the targets {', '.join(REPLICA_TARGETS)} "
                         "(the replicas are target daemons started on loopback)")
+    p.add_argument("--async", action="store_true", dest="async_",
+                   help=f"compare 2 replicas with replication=async with 0 replicas and 2 "
+                        f"synchronous ones: the targets {', '.join(ASYNC_TARGETS)}")
     p.add_argument("--protection", action="store_true",
                    help=f"compare one replica with wire protection on and off: the targets "
                         f"{', '.join(PROTECTION_TARGETS)} (docs/wire.md)")
@@ -104,12 +113,15 @@ def parse(argv: list[str]) -> Options:
         parser.error("--only selected nothing to run")
 
     targets: tuple[str, ...] = DEFAULT_TARGETS
-    chosen = [flag for flag, on in (("--replicas", args.replicas), ("--protection", args.protection),
+    chosen = [flag for flag, on in (("--replicas", args.replicas), ("--async", args.async_),
+                                    ("--protection", args.protection),
                                     ("--targets", args.targets is not None)) if on]
     if len(chosen) > 1:
         parser.error(f"{' and '.join(chosen)} each select the targets; give one of them")
     if args.replicas:
         targets = tuple(n for n in TARGET_NAMES if n in REPLICA_TARGETS)
+    elif args.async_:
+        targets = tuple(n for n in TARGET_NAMES if n in ASYNC_TARGETS)
     elif args.protection:
         targets = tuple(n for n in TARGET_NAMES if n in PROTECTION_TARGETS)
     elif args.targets is not None:

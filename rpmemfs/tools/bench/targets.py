@@ -37,11 +37,12 @@ PASSTHROUGH_XATTR = "passthrough-xattr"
 PLAIN = "plain"
 RPMEMFS_1REP = "rpmemfs-1rep"
 RPMEMFS_2REP = "rpmemfs-2rep"
+RPMEMFS_2REP_ASYNC = "rpmemfs-2rep-async"
 RPMEMFS_1REP_PLAIN = "rpmemfs-1rep-plain"
 
 # Every target, in the order columns are printed.
-TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_1REP_PLAIN, RPMEMFS_2REP, RPMEMFS_NOXATTR, RPMEMFS_NOPOLL,
-                RPMEMFS_WBCACHE, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
+TARGET_NAMES = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_1REP_PLAIN, RPMEMFS_2REP, RPMEMFS_2REP_ASYNC, RPMEMFS_NOXATTR,
+                RPMEMFS_NOPOLL, RPMEMFS_WBCACHE, PASSTHROUGH, PASSTHROUGH_XATTR, PLAIN)
 # The writeback cache changes what a write means (it returns before the daemon sees
 # the data), so it is not part of the like-for-like comparison and runs on request; so does
 # rpmemfs-nopoll, which shows what polling /dev/fuse after each request is worth.
@@ -49,6 +50,8 @@ DEFAULT_TARGETS = (RPMEMFS, RPMEMFS_NOXATTR, PASSTHROUGH, PASSTHROUGH_XATTR, PLA
 # What `--replicas` selects: the cost of replication, 0, 1 and 2 replicas. The replicated
 # targets start their own target daemons on loopback, so they run only when named.
 REPLICA_TARGETS = (RPMEMFS, RPMEMFS_1REP, RPMEMFS_2REP)
+# What `--async` selects: 2 replicas with replication=async beside sync and 0 replicas.
+ASYNC_TARGETS = (RPMEMFS, RPMEMFS_2REP, RPMEMFS_2REP_ASYNC)
 # What `--protection` selects: one replica with its traffic protected (the default) and the
 # same in plaintext (--wire-protection none on both ends), in one run.
 PROTECTION_TARGETS = (RPMEMFS_1REP, RPMEMFS_1REP_PLAIN)
@@ -63,6 +66,7 @@ REPLICA_DAEMONS: dict[str, tuple[tuple[str | None, str | None], ...]] = {
     RPMEMFS_1REP: (("force", "apm"),),
     RPMEMFS_1REP_PLAIN: (("force", "apm"),),
     RPMEMFS_2REP: (("force", "apm"), (None, None)),
+    RPMEMFS_2REP_ASYNC: (("force", "apm"), (None, None)),
 }
 
 RPMEMFS_OPTIONS = {
@@ -73,6 +77,7 @@ RPMEMFS_OPTIONS = {
     RPMEMFS_1REP: "pmem=force",
     RPMEMFS_1REP_PLAIN: "pmem=force,wire_protection=none",
     RPMEMFS_2REP: "pmem=force",
+    RPMEMFS_2REP_ASYNC: "pmem=force,replication=async",
 }
 
 TARGET_SUMMARIES = {
@@ -92,6 +97,8 @@ TARGET_SUMMARIES = {
                         "--wire-protection none, mount -o wire_protection=none)",
     RPMEMFS_2REP: "rpmemfs -o pmem=force with 2 replicas: target daemons on loopback, "
                   "one --pmem force --persist apm, one default (gpspm)",
+    RPMEMFS_2REP_ASYNC: "rpmemfs-2rep with -o replication=async (fsync local, the replicas "
+                        "following within the default max_lag)",
 }
 
 MOUNT_TIMEOUT = 60.0
@@ -201,4 +208,5 @@ TARGETS: dict[str, TargetFactory] = {
     RPMEMFS_1REP: partial(replicated_target, RPMEMFS_1REP),
     RPMEMFS_1REP_PLAIN: partial(replicated_target, RPMEMFS_1REP_PLAIN),
     RPMEMFS_2REP: partial(replicated_target, RPMEMFS_2REP),
+    RPMEMFS_2REP_ASYNC: partial(replicated_target, RPMEMFS_2REP_ASYNC),
 }

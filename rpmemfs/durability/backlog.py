@@ -1,0 +1,365 @@
+"""Asynchronous replication (`-o replication=async`): the durability points the replicas have
+not acknowledged yet, and the senders that carry them to the replicas in the background.
+
+A point in async mode ends when its ranges are persistent locally; what the replicas must get
+is queued here as a :class:`Batch`: a **copy of the bytes taken at the point**, under the
+barrier lock, right after the local persist. A copy, not a view of the mapping, because the
+filesystem goes on writing the mapping after fsync returns (and, told the point is durable,
+reuses the log space and the blocks it freed): bytes read later would put a later state
+under an earlier log record. With the copy each replica receives exactly the sequence of
+states the local pool went through at its points, in order, as DRBD's protocol A does with
+its buffered writes. Within a batch the order is the sync mode's (what earlier points left,
+data, then the log record that points at it), and every batch goes on the replica's one
+ordered barrier lane, so a replica cut off at any instant holds some points whole and a prefix
+of the next: the state of a crash of the primary in the middle of that point, which recovery
+handles (a torn or missing record is ignored).
+
+Every batch is a barrier of its own (its writes and one flush), never merged with the next:
+a target persists one barrier's ranges in no particular order, but a lane's barriers one after
+another (it persists a flush before it reads the next frame). So the log space and the blocks
+a point frees may be reused at once (the point is "durable" to the filesystem when it is
+persistent here and queued): a later point that reuses them is a later barrier, which each
+target places only after it persisted the one that freed them. A replica behind thus sees the
+primary's states in order, even across a power loss of its own node, as in sync mode.
+(Merging waiting batches into one barrier would save flushes, but then a reuse could share a
+barrier with the record that allowed it; measured, points under load are already grouped by
+the filesystem, one batch per round of the event loop, so merging found nothing to merge.)
+
+Each in-sync replica has a :class:`Follower`: a sender that posts the batches behind its last
+one (at once from the point itself when nothing is in flight to it), at most ``WINDOW``
+barriers in flight, and a completer that takes their acknowledgements in order. A replica's
+**lag** is the bytes of the batches it has not acknowledged, and the age of the oldest of them.
+A replica that fails (an error, a timeout, or more than ``max_lag`` behind when the policy does
+not wait for it) is marked in the sync map for every batch it has not
+acknowledged, the queued ones included, so its resync sends it just that; it never gets a
+batch from before it rejoined (the resync sent it newer bytes).
+
+Writers block in :meth:`Backlog.wait_room` while the replicas that ``min_replicas`` requires
+(the K-th least behind) lag by more than ``max_lag`` bytes; so the copies held here stay
+within about ``max_lag`` plus the points being taken at that moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from rpmemfs.replica.barriers import Barriers, ReplicaError
+from rpmemfs.replica.replica import IN_SYNC, Posted, Replica
+
+Ranges = list[tuple[int, int]]
+
+# 64 MiB: about 0.2 s of what this machine replicates with 1 MiB writes (~300 MB/s), so a
+# burst of that size costs no writer a wait; it is also the most memory the copies take
+# and the most acknowledged data a failover may lose, both modest for a database volume.
+DEFAULT_MAX_LAG = 64 << 20
+WINDOW = 32  # barriers in flight per replica (what they hold is bounded by max_lag)
+
+
+@dataclass(eq=False)
+class Batch:
+    """A point's ranges with their bytes as they were at the point, in the order to place."""
+
+    n: int  # its number in the backlog: 0, 1, 2, ...
+    writes: list[tuple[int, bytes]]
+    nbytes: int
+    end: int  # bytes taken up to and including this batch
+    taken: float  # trio.current_time() at the point
+    wall: float  # time.time() at the point
+
+    @property
+    def ranges(self) -> Ranges:
+        return [(off, len(b)) for off, b in self.writes]
+
+
+@dataclass(eq=False)
+class Follower:
+    """One in-sync replica's place in the backlog."""
+
+    replica: Replica
+    joins: int  # the replica's join this follower serves (Replica.joins)
+    next_post: int  # the first batch not posted to it
+    next_ack: int  # the first batch it has not acknowledged
+    acked_bytes: int  # Batch.end of its last acknowledged batch
+    acked_wall: float  # when the last batch it acknowledged was taken (time.time())
+    wake: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    gone: bool = False
+    send: trio.MemorySendChannel[tuple[Posted, Batch]] | None = None  # to its completer
+
+
+class Backlog:
+    """The batches of one mount's replicas, and their senders (run :meth:`run`)."""
+
+    def __init__(self, rs: Barriers, max_lag: int = DEFAULT_MAX_LAG) -> None:
+        if max_lag <= 0:
+            raise ValueError(f"max_lag={max_lag}: must be above 0")
+        self.rs = rs
+        self.max_lag = max_lag
+        self.batches: deque[Batch] = deque()
+        self.count = 0  # batches taken
+        self.total = 0  # bytes taken
+        self.followers: dict[Replica, Follower] = {}
+        self._moved = trio.Event()  # set (and replaced) when an acknowledgement or a failure lands
+        self._nursery: trio.Nursery | None = None
+        rs.backlog_drained = self.drained
+        rs.on_fell_behind = self.fell_behind
+
+    @classmethod
+    def for_mode(cls, rs: Barriers, replication: str, max_lag: int | None) -> Backlog | None:
+        """The backlog of a mount with ``-o replication=`` (None for sync)."""
+        return cls(rs, max_lag or DEFAULT_MAX_LAG) if replication == "async" else None
+
+    # ---------------------------------------------------------------- the points
+
+    def take(self, ranges: Ranges) -> None:
+        """Queue a point's ranges with their bytes now (call under the barrier lock, right after
+        the local persist). ReplicaError, queuing nothing, when fewer than ``min_replicas``
+        are in sync (as a barrier in sync mode); replicas out of sync are marked either way."""
+        rs = self.rs
+        rs.mark_missing(ranges)
+        error = rs.shortfall()
+        if error is not None:
+            raise error
+        buf = rs.local_buf
+        size = len(buf)
+        writes: list[tuple[int, bytes]] = []
+        nbytes = 0
+        for off, length in ranges:
+            if off < 0 or length < 0 or off + length > size:
+                raise ValueError(f"range ({off}, {length}) is outside the local pool of {size} bytes")
+            if length:
+                writes.append((off, bytes(buf[off : off + length])))
+                nbytes += length
+        if not writes:
+            return
+        for replica in rs.in_sync:
+            f = self.followers.get(replica)
+            if f is None or f.joins != replica.joins:
+                if f is not None:
+                    self._drop(f)
+                self._follow(replica)
+        self.total += nbytes
+        self.batches.append(Batch(self.count, writes, nbytes, self.total, trio.current_time(), time.time()))
+        self.count += 1
+        for f in list(self.followers.values()):
+            if f.send is not None and f.next_post == f.next_ack == self.count - 1:
+                # Nothing in flight to it: post at once, saving a hop to its sender.
+                item = self._post_now(f)
+                if item is not None:
+                    f.send.send_nowait(item)
+            else:
+                f.wake.set()
+        self._pull_ahead()
+        self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
+
+    async def wait_room(self) -> None:
+        """Wait while the replicas the policy requires lag by more than ``max_lag`` bytes;
+        ReplicaError when fewer than ``min_replicas`` are left to wait for."""
+        while True:
+            lag = self.required_lag()
+            if lag is None:
+                error = self.rs.shortfall()
+                raise error or ReplicaError("too few replicas in sync", [])
+            if lag <= self.max_lag:
+                return
+            await self._moved.wait()
+
+    def required_lag(self) -> int | None:
+        """The lag of the K-th least behind replica (K = min_replicas; 0 when K is 0), None
+        when fewer than K are followed."""
+        k = self.rs.min_replicas
+        if k == 0:
+            return 0
+        lags = sorted(self.total - f.acked_bytes for f in self.followers.values())
+        return lags[k - 1] if len(lags) >= k else None
+
+    async def drained(self) -> None:
+        """Wait until every replica followed holds every batch taken so far (or has been left
+        behind and marked); batches taken meanwhile are not waited for."""
+        upto = self.count
+        if self._nursery is None:
+            # Nobody sends (the mount is ending, or a test drives it): send until done here.
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.run)
+                await self._until_held(upto)
+                nursery.cancel_scope.cancel()
+            return
+        await self._until_held(upto)
+
+    async def _until_held(self, upto: int) -> None:
+        while self.batches and self.batches[0].n < upto:
+            await self._moved.wait()
+
+    # ---------------------------------------------------------------- lag, for status
+
+    def lag(self, replica: Replica) -> dict[str, Any] | None:
+        """Bytes and seconds the replica is behind the points taken, and when the last point it
+        holds was taken; None when it is not followed (not in sync: its sync map says)."""
+        f = self.followers.get(replica)
+        if f is None:
+            return None
+        oldest = self._batch(f.next_ack)
+        return {"lag_bytes": self.total - f.acked_bytes,
+                "lag_seconds": round(trio.current_time() - oldest.taken, 3) if oldest else 0.0,
+                "lag_batches": self.count - f.next_ack,
+                "acked_at": f.acked_wall or None}
+
+    def annotate(self, replicas: list[Replica], rows: list[dict[str, Any]]) -> None:
+        """Add each replica's lag to its status row: an in-sync replica's is what it has not
+        acknowledged; one out of sync keeps its sync map's count, and its lag_seconds is how
+        long it has been behind."""
+        for r, row in zip(replicas, rows, strict=True):
+            lag = self.lag(r)
+            if lag is not None:
+                row.update(lag)
+            elif isinstance(r.behind_since, float):
+                row["lag_seconds"] = round(time.time() - r.behind_since, 3)
+
+    def status(self) -> dict[str, Any]:
+        return {"max_lag": self.max_lag, "queued_bytes": sum(b.nbytes for b in self.batches),
+                "queued_batches": len(self.batches), "taken_batches": self.count,
+                "taken_bytes": self.total}
+
+    def _batch(self, n: int) -> Batch | None:
+        if not self.batches or n >= self.count:
+            return None
+        return self.batches[n - self.batches[0].n]
+
+    # ---------------------------------------------------------------- the senders
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the followers until cancelled (start it with ``nursery.start``: two senders
+        for one replica would interleave their barriers)."""
+        if self._nursery is not None:
+            raise RuntimeError("the backlog's senders run already")
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                for f in list(self.followers.values()):
+                    nursery.start_soon(self._serve, f)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def _follow(self, replica: Replica) -> None:
+        f = Follower(replica, replica.joins, self.count, self.count, self.total, 0.0)
+        self.followers[replica] = f
+        if self._nursery is not None:
+            self._nursery.start_soon(self._serve, f)
+
+    async def _serve(self, f: Follower) -> None:
+        if f.gone:
+            return
+        if f.next_post != f.next_ack:
+            # Its sender was cancelled with barriers in flight (run() ended and started again):
+            # whether they landed is unknown, and posting them again could put older bytes
+            # over newer ones. Resync it instead.
+            f.replica.fail("asynchronous sender stopped with barriers in flight")
+            self._drop(f)
+            return
+        f.scope = trio.CancelScope()
+        with f.scope:
+            send, recv = trio.open_memory_channel[tuple[Posted, Batch]](WINDOW - 1)
+            f.send = send
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._complete, f, recv)
+                    await self._post(f, send)
+            finally:
+                f.send = None
+
+    async def _post(self, f: Follower, send: trio.MemorySendChannel[tuple[Posted, Batch]]) -> None:
+        while not f.gone:
+            if f.next_post >= self.count:
+                await f.wake.wait()
+                f.wake = trio.Event()
+                continue
+            item = self._post_now(f)
+            if item is None:
+                return
+            await send.send(item)
+
+    def _post_now(self, f: Follower) -> tuple[Posted, Batch] | None:
+        """Post the follower's next batch as a barrier of its own; None when its replica cannot
+        take it (it is dropped then)."""
+        replica = f.replica
+        if replica.state is not IN_SYNC or replica.joins != f.joins or replica not in self.rs.replicas:
+            self._drop(f)
+            return None
+        b = self._batch(f.next_post)
+        assert b is not None
+        posted = replica.post_copies(b.writes, b.nbytes)
+        if posted is None:  # the replica is stale now
+            self._drop(f)
+            return None
+        f.next_post += 1
+        return posted, b
+
+    async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[tuple[Posted, Batch]]) -> None:
+        replica = f.replica
+        async for posted, last in recv:
+            done = replica.poll(posted)
+            if done is None:
+                done = await replica.finish(posted, self.rs.timeout)
+            if not done or f.gone:
+                self._drop(f)
+                return
+            f.next_ack = last.n + 1
+            f.acked_bytes = last.end
+            f.acked_wall = last.wall
+            self._release()
+
+    # ---------------------------------------------------------------- failures
+
+    def fell_behind(self, replica: Replica) -> None:
+        """The replica failed (its keeper saw it): what it has not acknowledged is marked now,
+        before its keeper resyncs it."""
+        f = self.followers.get(replica)
+        if f is not None:
+            self._drop(f)
+
+    def _pull_ahead(self) -> None:
+        """A replica the policy does not wait for that fell more than max_lag behind is left
+        behind (marked, resynced later), so that the copies stay bounded (DRBD's pull-ahead)."""
+        k = self.rs.min_replicas
+        ranked = sorted(self.followers.values(), key=lambda f: self.total - f.acked_bytes)
+        for f in ranked[k:]:
+            if self.total - f.acked_bytes > self.max_lag:
+                f.replica.fail(f"more than max_lag={self.max_lag} bytes behind with "
+                               f"min_replicas={k} not waiting for it")
+                self._drop(f)
+
+    def _drop(self, f: Follower) -> None:
+        """The follower's replica gets no more batches: everything it has not acknowledged is
+        marked in the sync map (its resync sends that), and its sender stops."""
+        if f.gone:
+            return
+        f.gone = True
+        if self.followers.get(f.replica) is f:
+            del self.followers[f.replica]
+        missed: Ranges = []
+        for n in range(f.next_ack, self.count):
+            b = self._batch(n)
+            if b is not None:
+                missed += b.ranges
+        if missed and self.rs.syncmap is not None and f.replica in self.rs.replicas:
+            self.rs.syncmap.mark([f.replica.slot], missed)
+        if f.replica.state is IN_SYNC and f.replica.joins == f.joins:
+            # Not failed by its transport (a membership change, say): it must resync all the same.
+            f.replica.fail("left behind by the asynchronous sender")
+        f.scope.cancel()
+        self._release()
+
+    def _release(self) -> None:
+        """Free the batches every follower has acknowledged; wake whoever waits for progress."""
+        low = min((f.next_ack for f in self.followers.values()), default=self.count)
+        while self.batches and self.batches[0].n < low:
+            self.batches.popleft()
+        self._moved.set()
+        self._moved = trio.Event()

@@ -1,0 +1,337 @@
+"""Asynchronous replication (durability/backlog.py) over the in-memory transport: points end
+locally, the replicas follow in order with the bytes as they were at each point, writers wait
+past max_lag, and a replica that fails is marked for everything it did not acknowledge.
+
+Time is trio's MockClock: delays cost no real time, and durations are exact.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+from test_replica_set import NAME, Rig, data, run, until
+
+from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError
+from rpmemfs.pool.layout import BLOCK
+from rpmemfs.pool.position import Position, decode, encode
+from rpmemfs.replica import ReplicaError, ReplicaSet
+from rpmemfs.replica.promote import behind
+
+Ranges = list[tuple[int, int]]
+
+
+def nchunks(rig: Rig, ranges: Ranges) -> int:
+    """How many sync map chunks the ranges touch."""
+    return sum(n for _, n in rig.chunks(ranges)) // rig.syncmap.chunk
+
+
+async def take(rs: ReplicaSet, backlog: Backlog, ranges: Ranges) -> None:
+    async with rs.lock:
+        backlog.take(ranges)
+
+
+def test_the_replica_gets_the_bytes_of_the_point_not_those_written_after_it() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        backlog = Backlog(rs)
+        r = [data(rig.hdr, 5)]
+        rig.scribble(r)
+        at_point = bytes(rig.buf[r[0][0]: r[0][0] + BLOCK])
+        await take(rs, backlog, r)
+        rig.scribble(r)  # the primary writes the range again before anything was sent
+        await backlog.drained()
+        for t in rig.targets:
+            assert t.pools[NAME][r[0][0]: r[0][0] + BLOCK] == at_point
+        assert not rig.replica_holds(0, r)
+        await take(rs, backlog, r)  # the next point carries the new bytes
+        await backlog.drained()
+        assert rig.replica_holds(0, r) and rig.replica_holds(1, r)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_points_reach_each_replica_in_order_each_a_barrier_with_its_own_flush() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        backlog = Backlog(rs)
+        marks = [len(t.ops) for t in rig.targets]
+        points: list[Ranges] = []
+        for i in range(10):
+            # Overlapping ranges: only the order makes the last point's bytes win.
+            p = [data(rig.hdr, 7, 100 + i, skip=i), data(rig.hdr, 9 + i)]
+            rig.scribble(p)
+            await take(rs, backlog, p)
+            points.append(p)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            await backlog.drained()
+            nursery.cancel_scope.cancel()
+        for i, t in enumerate(rig.targets):
+            assert t.writes(marks[i]) == [r for p in points for r in p]
+            # One flush per point: a target persists a lane's barriers one after another, so
+            # a later point never lands before an earlier one is persisted.
+            assert t.flushes(marks[i]) == len(points)
+        assert rig.identical(0) and rig.identical(1)
+        assert not backlog.batches  # nothing held once every replica acknowledged
+        lag = backlog.lag(rs.replicas[0])
+        assert lag is not None and (lag["lag_bytes"], lag["lag_seconds"], lag["lag_batches"]) == (0, 0.0, 0)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_writers_wait_while_the_replicas_lag_past_max_lag_and_lag_is_reported() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        rig.targets[1].delay(1.0)
+        backlog = Backlog(rs, max_lag=2 * BLOCK)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            t0 = trio.current_time()
+            for block in (1, 2):
+                await take(rs, backlog, [data(rig.hdr, block)])
+                await backlog.wait_room()  # within max_lag: no wait
+            assert trio.current_time() == t0
+            await trio.sleep(0.25)
+            slow = backlog.lag(rs.replicas[1])
+            assert slow is not None and slow["lag_bytes"] == 2 * BLOCK
+            assert slow["lag_seconds"] == pytest.approx(0.25)
+            fast = backlog.lag(rs.replicas[0])
+            assert fast is not None and fast["lag_bytes"] == 0
+            await take(rs, backlog, [data(rig.hdr, 3)])
+            await backlog.wait_room()  # 3 blocks behind on the slow replica: until it acks
+            assert trio.current_time() - t0 == pytest.approx(1.0)
+            assert backlog.required_lag() is not None and backlog.required_lag() <= 2 * BLOCK  # type: ignore[operator]
+            await backlog.drained()
+            assert rig.identical(1)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_with_min_replicas_1_writers_wait_only_for_the_fastest_and_a_straggler_is_left_behind() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        rig.targets[1].delay(1.5)
+        backlog = Backlog(rs, max_lag=2 * BLOCK)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            t0 = trio.current_time()
+            points = [[data(rig.hdr, b)] for b in range(1, 5)]
+            for p in points:
+                rig.scribble(p)
+                await take(rs, backlog, p)
+                await backlog.wait_room()
+                await trio.sleep(0.01)
+            assert trio.current_time() - t0 < 0.1  # the fast replica keeps up: nobody waited
+            # The straggler went past max_lag: failed, and marked for all it had not acknowledged.
+            assert rs.replicas[1].state == "stale"
+            assert "max_lag" in (rs.replicas[1].last_error or "")
+            assert rig.syncmap.count(1) == nchunks(rig, [r for p in points for r in p])
+            assert backlog.lag(rs.replicas[1]) is None
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_replica_that_fails_is_marked_for_everything_it_missed_queued_included_then_resynced() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        rs.reconnect_interval = 0.05
+        backlog = Backlog(rs)
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await nursery.start(backlog.run)
+            first = [data(rig.hdr, 1)]
+            rig.scribble(first)
+            await take(rs, backlog, first)
+            await backlog.drained()
+            target.hang()  # nothing more is placed or answered
+            missed = [[data(rig.hdr, 20)], [data(rig.hdr, 40, 3 * BLOCK)],
+                      [(rig.hdr.area_off(0) + 8192, 200)]]
+            for p in missed:
+                rig.scribble(p)
+                await take(rs, backlog, p)
+            await until(lambda: rs.replicas[1].state != "in-sync", 30)
+            assert rig.syncmap.count(1) == nchunks(rig, [r for p in missed for r in p])
+            await until(lambda: not backlog.batches, 30)  # nothing is held for it
+            mark = len(target.ops)
+            target.restart()
+            await until(lambda: rs.replicas[1].state == "in-sync", 60)
+            # Its resync sent exactly the chunks of what it had not acknowledged.
+            assert target.writes(mark) == rig.chunks([r for p in missed for r in p])
+            assert rig.identical(1)
+            # And it follows the points taken after it rejoined, not the ones before.
+            after = [data(rig.hdr, 60)]
+            rig.scribble(after)
+            mark = len(target.ops)
+            await take(rs, backlog, after)
+            await backlog.drained()
+            assert target.writes(mark) == after
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_point_below_min_replicas_queues_nothing_and_fails() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        rs.replicas[1].fail("test: gone")
+        backlog = Backlog(rs)
+        p = [data(rig.hdr, 3)]
+        with pytest.raises(ReplicaError, match="too few replicas in sync"):
+            await take(rs, backlog, p)
+        assert not backlog.batches
+        assert rig.syncmap.count(1) == 1  # the replica out of sync is marked all the same
+        await rs.aclose()
+
+    run(main)
+
+
+@dataclass
+class Changes:
+    persisted: Ranges = field(default_factory=list)
+    stored: Ranges = field(default_factory=list)
+    data: Ranges = field(default_factory=list)
+    log: tuple[int, bytes] | None = None
+    seq: int = 0
+    tail: int = 0
+
+
+class Source:
+    def __init__(self) -> None:
+        self.queue: list[Changes] = []
+        self.durable: list[int] = []
+
+    def has_changes(self) -> bool:
+        return bool(self.queue)
+
+    def take_changes(self) -> Changes:
+        return self.queue.pop(0) if self.queue else Changes()
+
+    def mark_durable(self, seq: int, tail: int) -> None:
+        self.durable.append(seq)
+
+
+class Persister:
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
+
+    def persist(self, ranges: object) -> None:
+        pass
+
+    def persist_then_store(self, first: object, offset: int, data: bytes) -> None:
+        self.buf[offset: offset + len(data)] = data
+
+
+def test_an_async_point_ends_locally_and_flush_waits_for_the_replicas() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        for t in rig.targets:
+            t.delay(0.5)
+        src = Source()
+        backlog = Backlog(rs)
+        d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            block = [data(rig.hdr, 11)]
+            rig.scribble(block)
+            src.queue.append(Changes(data=block, log=(rig.hdr.area_off(0) + 4096, os.urandom(64)), seq=1))
+            t0 = trio.current_time()
+            await d.point()
+            assert trio.current_time() == t0  # no replica was waited for
+            assert src.durable == [1]  # and its log space and freed blocks are reusable
+            src.queue.append(Changes(data=[data(rig.hdr, 12)], seq=2))
+            rig.scribble([data(rig.hdr, 12)])
+            await d.flush()
+            assert trio.current_time() - t0 >= 0.5
+            assert rig.replica_holds(0, block + [data(rig.hdr, 12)])
+            assert rig.replica_holds(1, block + [data(rig.hdr, 12)])
+            assert all(backlog.lag(r)["lag_bytes"] == 0 for r in rs.replicas)  # type: ignore[index]
+            # Below min_replicas the point fails, as in sync mode, and carries its ranges.
+            rs.replicas[1].fail("test: gone")
+            await trio.sleep(0)
+            src.queue.append(Changes(data=[data(rig.hdr, 13)], seq=3))
+            with pytest.raises(DurabilityError, match="too few replicas"):
+                await d.point()
+            assert src.durable == [1, 2]
+            assert d.pending()
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_max_lag_must_be_positive() -> None:
+    async def main() -> None:
+        rig = Rig(1)
+        rs = await rig.open()
+        with pytest.raises(ValueError, match="max_lag"):
+            Backlog(rs, max_lag=0)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_promote_reports_how_far_behind_the_most_advanced_replica_its_source_was() -> None:
+    a, b = Position(120, 5_000_000_000), Position(100, 4_250_000_000)
+    assert behind("x", {"x": b, "y": a, "z": None}) == {
+        "replicas": {"x": b.as_dict(), "y": a.as_dict(), "z": None},
+        "most_advanced": "y", "records": 20, "seconds": 0.75}
+    assert behind("y", {"x": b, "y": a})["records"] == 0  # type: ignore[index]
+    # Replicated synchronously: no stamps, nothing to say.
+    assert behind("x", {"x": None, "y": None}) is None
+    # The stamp round-trips, and a torn one reads as none.
+    raw = encode(a)
+    assert decode(raw) == a and decode(raw[:-1] + bytes([raw[-1] ^ 1])) is None
+
+
+def test_the_periodic_commit_and_the_barrier_drain_wait_until_the_replicas_hold_everything() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        for t in rig.targets:
+            t.delay(0.5)
+        src = Source()
+        backlog = Backlog(rs)
+        d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            block = [data(rig.hdr, 21)]
+            rig.scribble(block)
+            src.queue.append(Changes(data=block, seq=1))
+            t0 = trio.current_time()
+            assert await Committer(d, 5).tick()  # a point, then until the replicas hold it
+            assert trio.current_time() - t0 == pytest.approx(0.5)
+            assert rig.replica_holds(0, block) and rig.replica_holds(1, block)
+            # What a live repair or a removal waits for under the barrier lock: nothing owed.
+            more = [data(rig.hdr, 22)]
+            rig.scribble(more)
+            src.queue.append(Changes(data=more, seq=2))
+            await d.point()
+            lag = backlog.lag(rs.replicas[1])
+            assert lag is not None and lag["lag_bytes"] > 0  # not acknowledged yet
+            async with rs.lock:
+                await rs.drain()
+                assert rig.replica_holds(0, more) and rig.replica_holds(1, more)
+                assert not backlog.batches
+                assert all(backlog.lag(r) == {**(backlog.lag(r) or {}), "lag_bytes": 0} for r in rs.replicas)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
