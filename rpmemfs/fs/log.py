@@ -97,6 +97,12 @@ class Log:
     def capacity(self) -> int:
         return self.size - AREA_RECORDS_OFF
 
+    @property
+    def tail_bytes(self) -> int:
+        """Log bytes after the snapshot: what a mount replays beyond it, and what a
+        checkpoint would save every later mount from replaying."""
+        return self.used - self.snap_bytes
+
     def room(self) -> int:
         return self.size - self.tail
 

@@ -172,23 +172,27 @@ _TAILED: dict[int, tuple[struct.Struct, Callable[[tuple[int, ...]], int]]] = {
 }
 
 
+def entry_at(payload: memoryview, off: int) -> tuple[int, tuple[Any, ...], bytes, int]:
+    """The entry at ``off`` of a payload: (tag, fixed fields, trailing bytes, offset of the
+    next entry)."""
+    tag = payload[off]
+    fixed = _FIXED.get(tag)
+    if fixed is not None:
+        return tag, fixed.unpack_from(payload, off), b"", off + fixed.size
+    tailed = _TAILED.get(tag)
+    if tailed is None:
+        raise ValueError(f"unknown entry tag {tag} at payload offset {off}")
+    st, tail_len = tailed
+    f = st.unpack_from(payload, off)
+    start = off + st.size
+    k = tail_len(f)
+    return tag, f, bytes(payload[start: start + k]), start + _pad(k)
+
+
 def entries(payload: memoryview) -> Iterator[tuple[int, tuple[Any, ...], bytes]]:
     """Yield (tag, fixed fields, trailing bytes) for each entry of a payload."""
     off = 0
     n = len(payload)
     while off < n:
-        tag = payload[off]
-        fixed = _FIXED.get(tag)
-        if fixed is not None:
-            yield tag, fixed.unpack_from(payload, off), b""
-            off += fixed.size
-            continue
-        tailed = _TAILED.get(tag)
-        if tailed is None:
-            raise ValueError(f"unknown entry tag {tag} at payload offset {off}")
-        st, tail_len = tailed
-        f = st.unpack_from(payload, off)
-        start = off + st.size
-        k = tail_len(f)
-        yield tag, f, bytes(payload[start: start + k])
-        off = start + _pad(k)
+        tag, f, tail, off = entry_at(payload, off)
+        yield tag, f, tail

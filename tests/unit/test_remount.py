@@ -1,0 +1,220 @@
+"""Mounting a big tree quickly, and the checkpoints that keep later mounts quick.
+
+The replay's inline decoding and the snapshot's inline packing are checked against the
+generic per-entry code they shortcut (the same index, the same snapshot bytes), on trees
+made by random operations; the checkpoint a mount writes after a crash left a long log tail
+is crashed at every persist call.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+
+import pytest
+from mempool import MemPersister, durable, new_fs, reopen, tree
+from test_fs_crash import Workload
+from test_fs_falloc import KEEP_SIZE, falloc, mkfile
+
+from rpmemfs.fs import records as R
+from rpmemfs.fs.check import check
+from rpmemfs.fs.filesystem import CHECKPOINT_MIN_TAIL, Filesystem
+from rpmemfs.fs.inode import Inode
+from rpmemfs.fs.log import scan
+from rpmemfs.fs.replay import ROOT_INO, Index
+from rpmemfs.pool.header import read_header
+from rpmemfs.pool.layout import BLOCK
+
+REG = stat.S_IFREG | 0o644
+
+
+def reference_index(buf: memoryview) -> Index:
+    """The index as replay built it before the inline decoding: entry by entry."""
+    hdr, _ = read_header(buf)
+    index = Index()
+    for rec in scan(buf, hdr).records:
+        for tag, f, tail in R.entries(rec.payload):
+            index.apply_entry(tag, f, tail)
+    return index
+
+
+def fast_index(buf: memoryview) -> Index:
+    hdr, _ = read_header(buf)
+    index = Index()
+    index.apply(r.payload for r in scan(buf, hdr).records)
+    return index
+
+
+def inode_state(node: Inode) -> tuple[object, ...]:
+    return (node.ino, node.mode, node.uid, node.gid, node.nlink, node.rdev, node.size,
+            node.atime, node.mtime, node.ctime, sorted(node.blocks.items()),
+            None if node.children is None else sorted(node.children.items()), node.parent,
+            node.target, sorted(node.xattrs.items()))
+
+
+def assert_same_index(got: Index, want: Index) -> None:
+    assert got.next_ino == want.next_ino
+    assert got.problems == want.problems
+    assert {i: sorted(b) for i, b in got.prealloc.items()} == {i: sorted(b) for i, b in want.prealloc.items()}
+    assert sorted(got.inodes) == sorted(want.inodes)
+    for ino, node in want.inodes.items():
+        assert inode_state(got.inodes[ino]) == inode_state(node), ino
+
+
+def reference_snapshot(fs: Filesystem) -> list[bytes]:
+    """Every entry of a snapshot as Inode.snapshot_entries makes them, in snapshot order."""
+    out = [R.next_ino(fs.next_ino)]
+    order = sorted(fs.inodes)
+    for ino in order:
+        out += fs.inodes[ino].snapshot_entries() + fs._prealloc_entries(ino)
+    for ino in order:
+        for name, child in (fs.inodes[ino].children or {}).items():
+            out.append(R.link(ino, name, child))
+    return out
+
+
+def falloc_fs(seed: int) -> Filesystem:
+    """A tree with preallocated, punched and truncated files beside plain ones."""
+    rng = random.Random(seed)
+    fs, _ = new_fs()
+    inos = [mkfile(fs, b"f%d" % i, os.urandom(rng.choice((1, 100, BLOCK + 3)))) for i in range(12)]
+    for _ in range(40):
+        ino = rng.choice(inos)
+        op = rng.randrange(4)
+        if op == 0:
+            falloc(fs, ino, KEEP_SIZE, rng.randrange(8) * BLOCK, rng.randrange(1, 5) * BLOCK)
+        elif op == 1:
+            fs.write(ino, rng.randrange(6 * BLOCK), os.urandom(rng.randrange(1, 2 * BLOCK)))
+        elif op == 2:
+            fs.setattr(ino, size=rng.randrange(5 * BLOCK))
+        else:
+            durable(fs)
+    durable(fs)
+    return fs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_inline_replay_builds_the_index_entry_by_entry_replay_builds(seed: int) -> None:
+    w = Workload(300 + seed)
+    w.run(250)
+    durable(w.fs)
+    for fs in (w.fs, falloc_fs(seed)):
+        buf = memoryview(bytes(fs.buf))
+        assert_same_index(fast_index(buf), reference_index(buf))
+        fs.checkpoint()  # and from a snapshot, which the inline code is for
+        durable(fs)
+        buf = memoryview(bytes(fs.buf))
+        want = reference_index(buf)
+        assert_same_index(fast_index(buf), want)
+        assert len(want.inodes) == len(fs.inodes)
+
+
+def test_inline_replay_reports_the_same_problems() -> None:
+    """Entries naming an inode or directory that is not there are refused alike."""
+    index, want = Index(), Index()
+    payload = memoryview(b"".join([
+        R.inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, 0, 0, 1, 1, 1),
+        R.inode(5, REG, 0, 0, 1, 0, 10, 1, 1, 1),
+        R.map_run(9, 0, 70, 1), R.map_run(9, 0, 70, 3), R.link(5, b"x", ROOT_INO),
+        R.link(77, b"name", 5), R.map_run(5, 2, 40, 1, R.MAP_PREALLOC), R.map_run(5, 2, 41, 1),
+    ]))
+    assert index.apply([payload]) == 8
+    for tag, f, tail in R.entries(payload):
+        want.apply_entry(tag, f, tail)
+    assert_same_index(index, want)
+    assert len(index.problems) == 4
+    with pytest.raises(ValueError, match="unknown entry tag 99 at payload offset 0"):
+        Index().apply([memoryview(bytes([99]) + bytes(7))])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_inline_snapshot_packs_what_snapshot_entries_packs(seed: int) -> None:
+    w = Workload(400 + seed)
+    w.run(250)
+    for fs in (w.fs, falloc_fs(10 + seed)):
+        fs._take_dirty()
+        got = b"".join(fs._snapshot_payloads())
+        assert got == b"".join(reference_snapshot(fs))
+
+
+def long_tail_pool(files: int = 400, size: int = 4 << 20) -> tuple[bytearray, dict[str, object]]:
+    """A pool whose log holds many records after a small snapshot (a crash after a busy
+    while), and its tree."""
+    fs, _ = new_fs(size)
+    for d in range(files // 50):
+        dino = fs.mkdir(ROOT_INO, b"d%d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
+        for i in range(50):
+            fs.write(fs.create(dino, b"f%d" % i, REG, 0, 0).ino, 0, b"%d/%d" % (d, i))
+        durable(fs)
+    assert fs.log.tail_bytes > CHECKPOINT_MIN_TAIL
+    return bytearray(fs.buf), tree(fs)
+
+
+def test_a_mount_after_a_long_tail_checkpoints_and_the_next_replays_only_the_snapshot() -> None:
+    media, want = long_tail_pool()
+    fs, _ = reopen(media)
+    assert fs.replay_tail[0] > 400 and fs.replay_tail[1] == fs.log.tail_bytes
+    assert fs.checkpoint_if_long("at mount")
+    assert fs.log.tail_bytes == 0
+    # A crash now, with nothing changed since: the next mount replays no tail.
+    again, _ = reopen(bytearray(fs.buf))
+    assert again.replay_tail == (0, 0)
+    assert tree(again) == want
+    assert not again.checkpoint_if_long("at mount")
+
+
+def test_a_short_tail_is_not_worth_a_checkpoint() -> None:
+    media, _ = long_tail_pool()
+    fs, _ = reopen(media)
+    fs.checkpoint()
+    fs.write(fs.create(ROOT_INO, b"one", REG, 0, 0).ino, 0, b"1")
+    durable(fs)
+    assert 0 < fs.log.tail_bytes < CHECKPOINT_MIN_TAIL
+    assert not fs.wants_checkpoint()
+    gen = fs.log.gen
+    assert not fs.checkpoint_if_long("at unmount")
+    assert fs.log.gen == gen
+
+
+def test_a_tail_past_half_the_snapshot_is_worth_one() -> None:
+    """A big snapshot raises the bar: the checkpoint must save about what it costs."""
+    media, _ = long_tail_pool(2000, 32 << 20)
+    fs, _ = reopen(media)
+    fs.checkpoint()
+    durable(fs)
+    snap = fs.log.snap_bytes
+    assert snap // 2 > CHECKPOINT_MIN_TAIL
+    n = 0
+    while fs.log.tail_bytes <= snap // 2:
+        assert not fs.wants_checkpoint()
+        fs.write(fs.create(ROOT_INO, b"n%d" % n, REG, 0, 0).ino, 0, b"n")
+        durable(fs)
+        n += 1
+    assert fs.wants_checkpoint()
+
+
+@pytest.mark.parametrize("evict", [0.0, 0.5, 1.0])
+def test_crash_at_any_point_of_the_mount_checkpoint_keeps_the_tree(evict: float) -> None:
+    """Crashed before each persist call of the checkpoint a mount writes (and with cache
+    lines it stored but did not persist yet written back in any share): the pool mounts,
+    checks clean and holds the same tree, from the old area or the new one."""
+    media, want = long_tail_pool()
+    fs, p = reopen(media)
+    before = bytearray(p.buf)
+    assert fs.checkpoint_if_long("at mount")
+    assert len(p.calls) >= 2
+    rng = random.Random(int(evict * 10))
+    for k in range(len(p.calls) + 1):
+        # What was stored by then: the pool before the mount plus calls 0..k-1 (and call k's
+        # stores, not persisted yet, which eviction may write back).
+        stored = bytearray(before)
+        for call in p.calls[: k + 1]:
+            for off, data in call.ranges:
+                stored[off: off + len(data)] = data
+        crash = MemPersister(stored, formatted=bytes(before), calls=p.calls[:k])
+        disk = crash.media(evict=evict, rng=rng)
+        report = check(memoryview(bytes(disk)))
+        assert not report["problems"], (k, report["problems"])
+        got, _ = reopen(disk)
+        assert tree(got) == want, f"crash before persist call {k} of {len(p.calls)}"
