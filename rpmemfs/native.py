@@ -1,5 +1,7 @@
 """Python face of the compiled helper in ``native/`` (cache flushes, NT copies, CRC-32C)."""
 
+from collections.abc import Callable
+
 try:
     from rpmemfs._native import ffi, lib
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
@@ -10,7 +12,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "source tree; needs a C compiler and Python headers"
     ) from exc
 
-__all__ = ["BytesLike", "crc32c", "crc32c_hw", "ffi", "flush_kind", "lib"]
+__all__ = ["BytesLike", "crc32c", "crc32c_hw", "crc32c_in", "ffi", "flush_kind", "lib"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -36,3 +38,17 @@ def crc32c(data: BytesLike, crc: int = 0) -> int:
     # nbytes, not len(): a memoryview of a wider format counts items, not bytes.
     nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
     return int(lib.rpm_crc32c(crc, ffi.from_buffer(data), nbytes))
+
+
+def crc32c_in(data: BytesLike) -> Callable[[int, int], int]:
+    """CRC-32C of ranges of one buffer, ``crc(offset, length)``, which the caller keeps
+    within it: the buffer is handed to C once rather than per call (a mount checks a log
+    record's CRC per record, hundreds of thousands of times). The function holds an export
+    of the buffer while it lives."""
+    ptr = ffi.from_buffer(data)
+    rpm_crc32c = lib.rpm_crc32c
+
+    def crc(off: int, n: int) -> int:
+        return int(rpm_crc32c(0, ptr + off, n))
+
+    return crc

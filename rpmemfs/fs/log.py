@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rpmemfs.fs import records as R
+from rpmemfs.native import crc32c_in
 from rpmemfs.pool.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
 
 Ranges = list[tuple[int, int]]
@@ -42,13 +43,16 @@ def scan(buf: memoryview, hdr: Header) -> LogScan:
     result = LogScan(active, ah, other_gen=heads[1][1].gen if len(heads) > 1 else None)
     area = buf[hdr.area_off(active): hdr.area_off(active) + hdr.area_size]
     off, seq = AREA_RECORDS_OFF, ah.start_seq
+    crc = crc32c_in(area)
+    read, found = R.read_record, result.records
     while True:
-        rec = R.read_record(area, off, seq)
+        rec = read(area, off, seq, crc)
         if rec is None:
             break
-        result.records.append(rec)
+        found.append(rec)
         off += rec.length
         seq += 1
+    del crc  # it holds an export of the pool's mapping, which must be closable
     if seq <= ah.snap_end_seq:
         raise PoolFormatError(
             f"checkpoint damaged: snapshot record seq {seq} at pool offset "

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rpmemfs.native import crc32c
 
@@ -118,25 +117,29 @@ def frame(seq: int, payload: bytes) -> bytes:
     return struct.pack("<I", crc) + head + _tail(payload)
 
 
-@dataclass(frozen=True)
-class RecordView:
+class RecordView(NamedTuple):
     offset: int  # within the area
     length: int  # whole record on the pool, header and padding included
     seq: int
     payload: memoryview
 
 
-def read_record(area: memoryview, off: int, seq: int) -> RecordView | None:
-    """The record at off if it is intact and has sequence number seq, else None."""
+def read_record(area: memoryview, off: int, seq: int,
+                crc: Callable[[int, int], int] | None = None) -> RecordView | None:
+    """The record at off if it is intact and has sequence number seq, else None. ``crc``:
+    crc32c_in(area), for a caller reading many records."""
     if off + REC_BYTES > len(area):
         return None
-    crc, length, got_seq = REC.unpack_from(area, off)
+    want, length, got_seq = REC.unpack_from(area, off)
     if got_seq != seq or length == 0 or off + REC_BYTES + length > len(area):
         return None
-    payload = area[off + REC_BYTES: off + REC_BYTES + length]
-    if crc32c(payload, crc32c(area[off + 4: off + REC_BYTES])) != crc:
+    # The CRC covers length, seq and payload, which lie side by side.
+    if crc is not None:
+        if crc(off + 4, REC_BYTES - 4 + length) != want:
+            return None
+    elif crc32c(area[off + 4: off + REC_BYTES + length]) != want:
         return None
-    return RecordView(off, REC_BYTES + _pad(length), seq, payload)
+    return RecordView(off, REC_BYTES + _pad(length), seq, area[off + REC_BYTES: off + REC_BYTES + length])
 
 
 def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 << 10) -> int | None:
