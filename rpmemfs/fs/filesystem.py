@@ -126,13 +126,13 @@ class Filesystem:
             persister.persist(write_header(buf, hdr))
             log.warning("pool header repaired: %s", problems[0])
         t0 = time.perf_counter()
-        found = scan(buf, hdr)
-        # Replay makes a few objects per inode that all live as long as the mount: the cyclic
-        # collector would walk them again and again while they are made (a third of the time
-        # of a mount of 300,000 files), finding nothing to free.
+        # Replay makes a few objects per record and per inode, which the cyclic collector
+        # would walk again and again while they are made (a third of the time of a mount of
+        # 300,000 files), finding nothing to free.
         collecting = gc.isenabled()
         gc.disable()
         try:
+            found = scan(buf, hdr)
             index = Index()
             try:
                 entries = index.apply(r.payload for r in found.records)

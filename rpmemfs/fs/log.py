@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rpmemfs.fs import records as R
-from rpmemfs.native import crc32c_in
+from rpmemfs.native import log_scan
 from rpmemfs.pool.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
 
 Ranges = list[tuple[int, int]]
@@ -43,16 +43,14 @@ def scan(buf: memoryview, hdr: Header) -> LogScan:
     result = LogScan(active, ah, other_gen=heads[1][1].gen if len(heads) > 1 else None)
     area = buf[hdr.area_off(active): hdr.area_off(active) + hdr.area_size]
     off, seq = AREA_RECORDS_OFF, ah.start_seq
-    crc = crc32c_in(area)
-    read, found = R.read_record, result.records
-    while True:
-        rec = read(area, off, seq, crc)
-        if rec is None:
-            break
-        found.append(rec)
-        off += rec.length
-        seq += 1
-    del crc  # it holds an export of the pool's mapping, which must be closable
+    pairs = log_scan(area, off, seq)
+    view, head = R.RecordView, R.REC_BYTES
+    found = result.records = [
+        view(o, head + ((n + 7) & ~7), seq + i, area[o + head: o + head + n])
+        for i, (o, n) in enumerate(zip(pairs[::2], pairs[1::2], strict=True))]
+    if found:
+        off = found[-1].offset + found[-1].length
+        seq += len(found)
     if seq <= ah.snap_end_seq:
         raise PoolFormatError(
             f"checkpoint damaged: snapshot record seq {seq} at pool offset "

@@ -124,20 +124,16 @@ class RecordView(NamedTuple):
     payload: memoryview
 
 
-def read_record(area: memoryview, off: int, seq: int,
-                crc: Callable[[int, int], int] | None = None) -> RecordView | None:
-    """The record at off if it is intact and has sequence number seq, else None. ``crc``:
-    crc32c_in(area), for a caller reading many records."""
+def read_record(area: memoryview, off: int, seq: int) -> RecordView | None:
+    """The record at off if it is intact and has sequence number seq, else None (a mount
+    reads them all at once: native.log_scan)."""
     if off + REC_BYTES > len(area):
         return None
     want, length, got_seq = REC.unpack_from(area, off)
     if got_seq != seq or length == 0 or off + REC_BYTES + length > len(area):
         return None
     # The CRC covers length, seq and payload, which lie side by side.
-    if crc is not None:
-        if crc(off + 4, REC_BYTES - 4 + length) != want:
-            return None
-    elif crc32c(area[off + 4: off + REC_BYTES + length]) != want:
+    if crc32c(area[off + 4: off + REC_BYTES + length]) != want:
         return None
     return RecordView(off, REC_BYTES + _pad(length), seq, area[off + REC_BYTES: off + REC_BYTES + length])
 

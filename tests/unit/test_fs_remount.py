@@ -17,6 +17,7 @@ from mempool import MemPersister, durable, new_fs, reopen, tree
 from test_fs_crash import Workload
 from test_fs_falloc import KEEP_SIZE, falloc, mkfile
 
+from rpmemfs import native
 from rpmemfs.fs import records as R
 from rpmemfs.fs.check import check
 from rpmemfs.fs.filesystem import CHECKPOINT_MIN_TAIL, Filesystem
@@ -218,3 +219,37 @@ def test_crash_at_any_point_of_the_mount_checkpoint_keeps_the_tree(evict: float)
         assert not report["problems"], (k, report["problems"])
         got, _ = reopen(disk)
         assert tree(got) == want, f"crash before persist call {k} of {len(p.calls)}"
+
+
+def python_scan(area: bytes, off: int, seq: int) -> list[int]:
+    """What native.log_scan finds, found record by record in Python."""
+    out: list[int] = []
+    while (rec := R.read_record(memoryview(area), off, seq)) is not None:
+        out += [off, len(rec.payload)]
+        off += rec.length
+        seq += 1
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_native_log_scan_stops_where_reading_record_by_record_stops(seed: int) -> None:
+    """Torn, out-of-sequence, zero-length and overlong records end the scan alike."""
+    rng = random.Random(seed)
+    area = bytearray()
+    for seq in range(5, 5 + rng.randrange(1, 60)):
+        area += R.frame(seq, os.urandom(rng.randrange(1, 300)))
+    area += bytes(rng.randrange(0, 40))
+    damage = rng.randrange(6)
+    at = rng.randrange(len(area))
+    if damage == 1:
+        area[at] ^= 1 << rng.randrange(8)  # a flipped bit: CRC, length or seq
+    elif damage == 2:
+        area[at:] = bytes(len(area) - at)  # the rest never written
+    elif damage == 3:
+        del area[at:]  # the area ends inside a record
+    elif damage == 4:
+        area[at: at + 8] = os.urandom(8)
+    for off, seq in ((0, 5), (0, 6), (len(R.frame(5, b"x")), 6)):
+        assert native.log_scan(bytes(area), off, seq) == python_scan(bytes(area), off, seq)
+    if damage == 0:
+        assert len(native.log_scan(bytes(area), 0, 5)) // 2 >= 1
