@@ -19,6 +19,7 @@ from test_fs_falloc import KEEP_SIZE, falloc, mkfile
 
 from rpmemfs import native
 from rpmemfs.fs import records as R
+from rpmemfs.fs.alloc import Allocator
 from rpmemfs.fs.check import check
 from rpmemfs.fs.filesystem import CHECKPOINT_MIN_TAIL, Filesystem
 from rpmemfs.fs.inode import Inode
@@ -127,6 +128,22 @@ def test_inline_replay_reports_the_same_problems() -> None:
     assert len(index.problems) == 4
     with pytest.raises(ValueError, match="unknown entry tag 99 at payload offset 0"):
         Index().apply([memoryview(bytes([99]) + bytes(7))])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_mount_claims_the_blocks_that_claiming_each_run_claims(seed: int) -> None:
+    w = Workload(500 + seed)
+    w.run(250)
+    durable(w.fs)
+    for fs in (w.fs, falloc_fs(20 + seed)):
+        durable(fs)
+        got, _ = reopen(bytearray(fs.buf))
+        want = Allocator(got.hdr.data_blocks)
+        for node in got.inodes.values():
+            for _fb, pb, n in node.runs():
+                want.mark_used(pb, n)
+        assert got.alloc.map == want.map and got.alloc.free == want.free
+        assert want.free < want.nblocks
 
 
 @pytest.mark.parametrize("seed", range(3))
