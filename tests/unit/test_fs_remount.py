@@ -156,14 +156,22 @@ def test_inline_snapshot_packs_what_snapshot_entries_packs(seed: int) -> None:
         assert got == b"".join(reference_snapshot(fs))
 
 
-def long_tail_pool(files: int = 400, size: int = 4 << 20) -> tuple[bytearray, dict[str, object]]:
+def long_tail_pool(files: int = 400, size: int = 4 << 20, orphan: bool = False
+                   ) -> tuple[bytearray, dict[str, object]]:
     """A pool whose log holds many records after a small snapshot (a crash after a busy
-    while), and its tree."""
+    while), and its tree; with ``orphan``, also a file of several blocks unlinked while it
+    was still open at the crash (the mount reclaims it)."""
     fs, _ = new_fs(size)
     for d in range(files // 50):
         dino = fs.mkdir(ROOT_INO, b"d%d" % d, stat.S_IFDIR | 0o755, 0, 0).ino
         for i in range(50):
             fs.write(fs.create(dino, b"f%d" % i, REG, 0, 0).ino, 0, b"%d/%d" % (d, i))
+        durable(fs)
+    if orphan:
+        ino = fs.create(ROOT_INO, b"open", REG, 0, 0).ino
+        fs.write(ino, 0, os.urandom(5 * BLOCK))
+        fs.opened(ino)
+        fs.unlink(ROOT_INO, b"open")
         durable(fs)
     assert fs.log.tail_bytes > CHECKPOINT_MIN_TAIL
     return bytearray(fs.buf), tree(fs)
@@ -212,13 +220,17 @@ def test_a_tail_past_half_the_snapshot_is_worth_one() -> None:
     assert fs.wants_checkpoint()
 
 
-@pytest.mark.parametrize("evict", [0.0, 0.5, 1.0])
-def test_crash_at_any_point_of_the_mount_checkpoint_keeps_the_tree(evict: float) -> None:
+@pytest.mark.parametrize(("evict", "orphan"), [(0.0, False), (0.5, False), (1.0, False),
+                                               (0.0, True), (1.0, True)])
+def test_crash_at_any_point_of_the_mount_checkpoint_keeps_the_tree(evict: float, orphan: bool) -> None:
     """Crashed before each persist call of the checkpoint a mount writes (and with cache
     lines it stored but did not persist yet written back in any share): the pool mounts,
-    checks clean and holds the same tree, from the old area or the new one."""
-    media, want = long_tail_pool()
+    checks clean and holds the same tree, from the old area or the new one; a file the
+    mount reclaimed (unlinked while open at the crash before) stays gone, its blocks free."""
+    media, want = long_tail_pool(orphan=orphan)
     fs, p = reopen(media)
+    free = fs.alloc.free + fs.alloc.pending_blocks
+    assert fs.alloc.pending_blocks == (5 if orphan else 0)  # the orphan's, reclaimed
     before = bytearray(p.buf)
     assert fs.checkpoint_if_long("at mount")
     assert len(p.calls) >= 2
@@ -236,6 +248,8 @@ def test_crash_at_any_point_of_the_mount_checkpoint_keeps_the_tree(evict: float)
         assert not report["problems"], (k, report["problems"])
         got, _ = reopen(disk)
         assert tree(got) == want, f"crash before persist call {k} of {len(p.calls)}"
+        durable(got)
+        assert got.alloc.free == free, "blocks leaked or lost"
 
 
 def python_scan(area: bytes, off: int, seq: int) -> list[int]:
