@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rpmemfs.fs import acl as A
+from rpmemfs.fs import bulk
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
 from rpmemfs.fs.creds import ROOT, Caller
@@ -329,47 +330,58 @@ class Filesystem:
         return True
 
     def _snapshot_payloads(self) -> Iterator[bytes]:
-        """The whole index as record payloads of about SNAPSHOT_RECORD bytes each. An inode
-        with at most one block and no symlink target, xattr or preallocated block (most of
-        a big tree) is packed here inline, as Inode.snapshot_entries would: a checkpoint
-        spends its time in this loop."""
-        parts: list[bytes] = [R.next_ino(self.next_ino)]
-        size = 0
+        """The whole index as record payloads of about SNAPSHOT_RECORD bytes each: first
+        the files of one block and nothing else as INODE+MAP pairs, then every other inode
+        with its entries, then the LINK entries grouped by length (bulk.py: replay reads
+        records of one kind of entry in bulk). Every inode's entries come after its INODE
+        entry and every LINK after all inodes, which is all replay needs."""
         inodes, unwritten = self.inodes, self.unwritten
-        inode_pack, map_pack, link_pack = R.INODE.pack, R.MAP.pack, R.LINK.pack
-        t_inode, t_map, t_link = R.T_INODE, R.T_MAP, R.T_LINK
-        # Parents before children so LINK entries find their directory on replay.
         order = sorted(inodes)
+        others: list[int] = []
+        pairs: list[bytes] = []
+        per_record = SNAPSHOT_RECORD // bulk.PAIR.size
         for ino in order:
             node = inodes[ino]
-            blocks = node.blocks
-            if len(blocks) > 1 or node.target or node.xattrs or ino in unwritten:
-                for e in node.snapshot_entries() + self._prealloc_entries(ino):
-                    parts.append(e)
-                    size += len(e)
-            else:
-                parts.append(inode_pack(t_inode, node.mode, ino, node.uid, node.gid, node.nlink,
-                                        node.rdev, node.size, node.atime, node.mtime, node.ctime))
-                size += 64
-                for fb, pb in blocks.items():
-                    parts.append(map_pack(t_map, 0, 1, ino, fb, pb))
-                    size += 32
+            if len(node.blocks) != 1 or node.target or node.xattrs or ino in unwritten:
+                others.append(ino)
+                continue
+            for fb, pb in node.blocks.items():
+                pairs.append(bulk.pack_pair(node, fb, pb))
+            if len(pairs) >= per_record:
+                yield b"".join(pairs)
+                pairs = []
+        if pairs:
+            yield b"".join(pairs)
+        parts: list[bytes] = [R.next_ino(self.next_ino)]
+        size = 0
+        for ino in others:
+            for e in inodes[ino].snapshot_entries() + self._prealloc_entries(ino):
+                parts.append(e)
+                size += len(e)
             if size >= SNAPSHOT_RECORD:
                 yield b"".join(parts)
                 parts, size = [], 0
+        if parts:
+            yield b"".join(parts)
+        # LINK entries by their names' padded length: each as its fixed part and its name
+        links: dict[int, list[bytes]] = {}
+        link_pack, t_link = R.LINK.pack, R.T_LINK
         for ino in order:
             children = inodes[ino].children
             if children:
                 for name, child in children.items():
                     k = len(name)
-                    parts.append(link_pack(t_link, k, ino, child))
-                    parts.append(name + b"\0" * (-k & 7) if k & 7 else name)
-                    size += 24 + k + 7
-                    if size >= SNAPSHOT_RECORD:
-                        yield b"".join(parts)
-                        parts, size = [], 0
-        if parts:
-            yield b"".join(parts)
+                    padded = (k + 7) & ~7
+                    group = links.get(padded)
+                    if group is None:
+                        group = links[padded] = []
+                    group.append(link_pack(t_link, k, ino, child))
+                    group.append(name + bytes(padded - k) if padded != k else name)
+        for padded in sorted(links):
+            group = links[padded]
+            step = 2 * max(1, SNAPSHOT_RECORD // (R.LINK.size + padded))
+            for i in range(0, len(group), step):
+                yield b"".join(group[i: i + step])
 
     # ---------------------------------------------------------------- namespace
 
