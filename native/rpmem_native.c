@@ -183,3 +183,28 @@ uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len)
     crc = crc_hw ? crc32c_hw(crc, buf, len) : crc32c_table(crc, buf, len);
     return ~crc;
 }
+
+size_t rpm_log_scan(const void *area, size_t len, size_t off, uint64_t seq, uint64_t *out,
+                    size_t max)
+{
+    /* The record header is crc u32 | length u32 | seq u64, little endian like the host;
+     * the CRC covers length, seq and payload, which lie side by side. */
+    const unsigned char *a = area;
+    size_t n = 0;
+    while (n < max && off <= len && len - off >= 16) {
+        uint32_t crc, plen;
+        uint64_t got;
+        memcpy(&crc, a + off, 4);
+        memcpy(&plen, a + off + 4, 4);
+        memcpy(&got, a + off + 8, 8);
+        if (got != seq + n || plen == 0 || plen > len - off - 16)
+            break;
+        if (rpm_crc32c(0, a + off + 4, 12 + (size_t)plen) != crc)
+            break;
+        out[2 * n] = off;
+        out[2 * n + 1] = plen;
+        n++;
+        off += 16 + (((size_t)plen + 7) & ~(size_t)7);
+    }
+    return n;
+}

@@ -44,6 +44,13 @@ int rpm_populate(void *addr, size_t len);
  * continues the checksum: rpm_crc32c(rpm_crc32c(0, a), b) == crc of a+b. */
 uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len);
 
+/* The intact log records of a log area of len bytes (docs/format.md, "Log areas"), from
+ * offset off on, record i carrying sequence number seq + i: up to max of them, each as
+ * its offset and payload length in out[2i] and out[2i + 1]. Stops at the first record
+ * that is missing, out of sequence or fails its CRC; returns how many it found. */
+size_t rpm_log_scan(const void *area, size_t len, size_t off, uint64_t seq, uint64_t *out,
+                    size_t max);
+
 /* ---- wire protection: the AEAD record layer (rpmem_sec.c, docs/wire.md) ---- */
 
 /* One piece of a gather list. */

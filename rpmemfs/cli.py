@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rpmemfs import logs
 from rpmemfs.cliparse import ArgumentParser
@@ -508,6 +508,14 @@ class _Command(ArgumentParser):
             kwargs.update(add_help=False, allow_abbrev=False)
         super().__init__(*args, **kwargs)
         self.own_options = own_options
+        # The epilog, made only when help is shown: mount's lists the mount options, whose
+        # module imports most of the daemon (half a second that every command paid).
+        self.epilog_from: Callable[[], str] | None = None
+
+    def format_help(self) -> str:
+        if self.epilog_from is not None:
+            self.epilog, self.epilog_from = self.epilog_from(), None
+        return super().format_help()
 
     # Any: as general as argparse's overloads of it, which a subparser is called through.
     def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None
@@ -576,7 +584,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", metavar="OPT[,OPT...]", help="mount options, below")
     s.formatter_class = argparse.RawDescriptionHelpFormatter
-    s.epilog = options_help()
+    cast(_Command, s).epilog_from = options_help
 
     s = command("umount", cmd_umount, "unmount, and return once the daemon has closed the pool "
                 "and exited")

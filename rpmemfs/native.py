@@ -10,7 +10,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "source tree; needs a C compiler and Python headers"
     ) from exc
 
-__all__ = ["BytesLike", "crc32c", "crc32c_hw", "ffi", "flush_kind", "lib"]
+__all__ = ["BytesLike", "crc32c", "crc32c_hw", "ffi", "flush_kind", "lib", "log_scan"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -36,3 +36,30 @@ def crc32c(data: BytesLike, crc: int = 0) -> int:
     # nbytes, not len(): a memoryview of a wider format counts items, not bytes.
     nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
     return int(lib.rpm_crc32c(crc, ffi.from_buffer(data), nbytes))
+
+
+# Records found per call of rpm_log_scan: 1 MiB of offsets and lengths at most.
+_SCAN_BATCH = 65536
+
+
+def log_scan(area: BytesLike, off: int, seq: int) -> list[int]:
+    """The intact log records of ``area`` from ``off`` on, the first numbered ``seq``, up
+    to the first one missing, out of sequence or failing its CRC, as a flat list: offset,
+    payload length, offset, payload length... (rpm_log_scan: a mount reads hundreds of
+    thousands of records, and a Python loop per record was a third of its time)."""
+    out = ffi.new("uint64_t[]", 2 * _SCAN_BATCH)
+    size = area.nbytes if isinstance(area, memoryview) else len(area)
+    found: list[int] = []
+    # Released at once: an export of the pool's mapping would keep it from closing.
+    with ffi.from_buffer(area) as ptr:
+        while True:
+            n = int(lib.rpm_log_scan(ptr, size, off, seq, out, _SCAN_BATCH))
+            if n == 0:
+                break
+            batch: list[int] = ffi.unpack(out, 2 * n)
+            found += batch
+            seq += n
+            off = batch[-2] + 16 + ((batch[-1] + 7) & ~7)
+            if n < _SCAN_BATCH:
+                break
+    return found

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rpmemfs.fs import records as R
+from rpmemfs.native import log_scan
 from rpmemfs.pool.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
 
 Ranges = list[tuple[int, int]]
@@ -42,13 +43,14 @@ def scan(buf: memoryview, hdr: Header) -> LogScan:
     result = LogScan(active, ah, other_gen=heads[1][1].gen if len(heads) > 1 else None)
     area = buf[hdr.area_off(active): hdr.area_off(active) + hdr.area_size]
     off, seq = AREA_RECORDS_OFF, ah.start_seq
-    while True:
-        rec = R.read_record(area, off, seq)
-        if rec is None:
-            break
-        result.records.append(rec)
-        off += rec.length
-        seq += 1
+    pairs = log_scan(area, off, seq)
+    view, head = R.RecordView, R.REC_BYTES
+    found = result.records = [
+        view(o, head + ((n + 7) & ~7), seq + i, area[o + head: o + head + n])
+        for i, (o, n) in enumerate(zip(pairs[::2], pairs[1::2], strict=True))]
+    if found:
+        off = found[-1].offset + found[-1].length
+        seq += len(found)
     if seq <= ah.snap_end_seq:
         raise PoolFormatError(
             f"checkpoint damaged: snapshot record seq {seq} at pool offset "
@@ -96,6 +98,12 @@ class Log:
     @property
     def capacity(self) -> int:
         return self.size - AREA_RECORDS_OFF
+
+    @property
+    def tail_bytes(self) -> int:
+        """Log bytes after the snapshot: what a mount replays beyond it, and what a
+        checkpoint would save every later mount from replaying."""
+        return self.used - self.snap_bytes
 
     def room(self) -> int:
         return self.size - self.tail

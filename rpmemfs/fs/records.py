@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rpmemfs.native import crc32c
 
@@ -118,8 +117,7 @@ def frame(seq: int, payload: bytes) -> bytes:
     return struct.pack("<I", crc) + head + _tail(payload)
 
 
-@dataclass(frozen=True)
-class RecordView:
+class RecordView(NamedTuple):
     offset: int  # within the area
     length: int  # whole record on the pool, header and padding included
     seq: int
@@ -127,16 +125,17 @@ class RecordView:
 
 
 def read_record(area: memoryview, off: int, seq: int) -> RecordView | None:
-    """The record at off if it is intact and has sequence number seq, else None."""
+    """The record at off if it is intact and has sequence number seq, else None (a mount
+    reads them all at once: native.log_scan)."""
     if off + REC_BYTES > len(area):
         return None
-    crc, length, got_seq = REC.unpack_from(area, off)
+    want, length, got_seq = REC.unpack_from(area, off)
     if got_seq != seq or length == 0 or off + REC_BYTES + length > len(area):
         return None
-    payload = area[off + REC_BYTES: off + REC_BYTES + length]
-    if crc32c(payload, crc32c(area[off + 4: off + REC_BYTES])) != crc:
+    # The CRC covers length, seq and payload, which lie side by side.
+    if crc32c(area[off + 4: off + REC_BYTES + length]) != want:
         return None
-    return RecordView(off, REC_BYTES + _pad(length), seq, payload)
+    return RecordView(off, REC_BYTES + _pad(length), seq, area[off + REC_BYTES: off + REC_BYTES + length])
 
 
 def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 << 10) -> int | None:
@@ -172,23 +171,27 @@ _TAILED: dict[int, tuple[struct.Struct, Callable[[tuple[int, ...]], int]]] = {
 }
 
 
+def entry_at(payload: memoryview, off: int) -> tuple[int, tuple[Any, ...], bytes, int]:
+    """The entry at ``off`` of a payload: (tag, fixed fields, trailing bytes, offset of the
+    next entry)."""
+    tag = payload[off]
+    fixed = _FIXED.get(tag)
+    if fixed is not None:
+        return tag, fixed.unpack_from(payload, off), b"", off + fixed.size
+    tailed = _TAILED.get(tag)
+    if tailed is None:
+        raise ValueError(f"unknown entry tag {tag} at payload offset {off}")
+    st, tail_len = tailed
+    f = st.unpack_from(payload, off)
+    start = off + st.size
+    k = tail_len(f)
+    return tag, f, bytes(payload[start: start + k]), start + _pad(k)
+
+
 def entries(payload: memoryview) -> Iterator[tuple[int, tuple[Any, ...], bytes]]:
     """Yield (tag, fixed fields, trailing bytes) for each entry of a payload."""
     off = 0
     n = len(payload)
     while off < n:
-        tag = payload[off]
-        fixed = _FIXED.get(tag)
-        if fixed is not None:
-            yield tag, fixed.unpack_from(payload, off), b""
-            off += fixed.size
-            continue
-        tailed = _TAILED.get(tag)
-        if tailed is None:
-            raise ValueError(f"unknown entry tag {tag} at payload offset {off}")
-        st, tail_len = tailed
-        f = st.unpack_from(payload, off)
-        start = off + st.size
-        k = tail_len(f)
-        yield tag, f, bytes(payload[start: start + k])
-        off = start + _pad(k)
+        tag, f, tail, off = entry_at(payload, off)
+        yield tag, f, tail

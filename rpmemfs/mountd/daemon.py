@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import secrets
@@ -83,6 +84,7 @@ class Mounted:
             except BufferError:
                 pass  # a view survived; the process is about to exit and unmap anyway
             raise MountError(f"cannot mount {pool}: {failure}")
+        gc.freeze()  # the index lives as long as the mount: no collection need walk it again
         table = inspect_table(self.mapping.buf)
         if table.problem:
             log.warning("replica table: %s", table.problem)
@@ -147,7 +149,8 @@ class Mounted:
                     "capacity": fs.log.capacity, "records_appended": fs.log.records,
                     "checkpoints": fs.log.checkpoints},
             "replay": {"records": fs.replay_stats[0], "entries": fs.replay_stats[1],
-                       "seconds": round(fs.replay_stats[2], 4)},
+                       "seconds": round(fs.replay_stats[2], 4), "tail_records": fs.replay_tail[0],
+                       "tail_bytes": fs.replay_tail[1]},
             "open_seconds": round(self.open_seconds, 4),
             "pid": os.getpid(),
             "min_replicas": self.min_replicas,
@@ -408,6 +411,9 @@ class Mounted:
 
     async def serve(self, ready: Callable[[], None] = lambda: None) -> None:
         await self.connect_replicas()
+        # A long tail left by a crash would be replayed by every later mount, after the next
+        # crash too. Now: a refused mount changes nothing. Replicas get it with the next point.
+        self.fs.checkpoint_if_long("at mount")
         self._ops = Operations(self.fs, self.durability, self.describe, xattrs=self.mo.xattrs,
                                poll_us=self.mo.poll_us, writeback_cache=self.mo.writeback_cache)
         self.ending = ending = Ending(self.mountpoint, self.pool)
@@ -456,8 +462,7 @@ class Mounted:
         """Unmounted: make everything durable everywhere, with a checkpoint if the log is long."""
         try:
             await self.durability.flush()
-            if self.fs.log.used > self.fs.log.capacity // 4:
-                self.fs.checkpoint()
+            if self.fs.checkpoint_if_long("at unmount"):
                 await self.durability.flush()
             # Every in-sync replica has all of the pool, the others' misses are in the map.
             self.clean = True

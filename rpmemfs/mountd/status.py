@@ -114,6 +114,11 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"  log      area {log.get('area')} gen {log.get('generation')}, "
                      f"{human(int(log.get('used', 0)))} of {human(int(log.get('capacity', 0)))}, "
                      f"{log.get('checkpoints')} checkpoints")
+    replay = st.get("replay")
+    if isinstance(replay, dict) and "tail_records" in replay:
+        lines.append(f"  replay   {replay.get('records')} records at mount, "
+                     f"{replay.get('tail_records')} of them after the snapshot, "
+                     f"in {replay.get('seconds')} s")
     waited = st.get("oldest_barrier_s")
     if isinstance(waited, (int, float)) and waited >= 1:
         # A replica that stopped answering is still "in-sync" until replica_timeout.

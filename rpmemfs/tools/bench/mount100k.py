@@ -1,133 +1,174 @@
-"""mount100k: how long `rpmemfs mount` takes on a pool holding many small files.
+"""mount100k: how long `rpmemfs mount` and `rpmemfs umount` take on a pool holding many
+small files, after a clean unmount and after kill -9.
 
-Mount time is the one cost that grows with the number of files rather than with the
-I/O being done, so it gets its own (slow, opt-in) measurement.
+Mount time is the one cost that grows with the number of files rather than with the I/O
+being done, so it gets its own (slow, opt-in) measurement. The files are made in-process
+(populate.py), leaving the log as a daemon killed right after making them would; then, each
+a real `rpmemfs mount` process serving a real FUSE mount, timed until a stat of a file in
+it answers:
+
+1. the mount after that kill (it replays the whole log tail, and checkpoints);
+2. kill -9 of that idle daemon, and the mount after it (the tail is gone now);
+3. `rpmemfs umount` of it, timed until the command returns (the pool is closed then);
+4. the mount after that clean unmount (the "mount" metric, as before);
+5. a thousand files created through it with an fsync each, then `rpmemfs umount` again.
+
+Each also as the daemon's CPU time (``*_cpu``): until the stat answered, or from the umount
+until the daemon exited.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from rpmemfs.tools.bench import note
-from rpmemfs.tools.bench.isolate import Timeout
+from rpmemfs.tools.bench.populate import dir_name, file_name, populate
 from rpmemfs.tools.bench.stats import Metric, WorkloadResult
-from rpmemfs.tools.bench.targets import mkfs, rpmemfs_daemon
-from rpmemfs.tools.processes import SpawnError, child_env, log_tail, rpmemfs_command, unmount
+from rpmemfs.tools.bench.targets import mkfs
+from rpmemfs.tools.processes import MountProcess, SpawnError, detach, log_tail, run_rpmemfs
 
-FILES_PER_DIR = 100
-FILL_WORKERS = 3
-# Creating files through a Python FUSE daemon costs around a millisecond each; this
-# allows several times that before deciding the filesystem is stuck.
-FILL_SECONDS_PER_FILE = 0.005
-
-
-def _dir_name(index: int) -> str:
-    return f"d{index:04d}"
+# What a pool needs per small file: its data block, and room for its share of the snapshot
+# (about 130 bytes) in a log area (1/32 of the pool) that a snapshot may fill to 60%.
+POOL_BYTES_PER_FILE = 4096 + 130 * 32 * 10 // 6
+WRITES_BEFORE_UMOUNT = 1000
 
 
-def _file_name(index: int) -> str:
-    return f"f{index:03d}"
+def pool_size_for(n_files: int, asked: str) -> str:
+    """``asked`` (an mkfs size), or a size in MiB big enough for n_files small files."""
+    need = (64 << 20) + n_files * POOL_BYTES_PER_FILE
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(asked[-1:].upper(), 1)
+    try:
+        given = int(float(asked.rstrip("kKmMgGtT")) * scale)
+    except ValueError:
+        return asked  # mkfs says what is wrong with it
+    return asked if given >= need else f"{(need + (1 << 20) - 1) >> 20}M"
 
 
-def _fill_one_dir(job: tuple[str, int, int]) -> int:
-    root, index, count = job
-    directory = os.path.join(root, _dir_name(index))
-    os.mkdir(directory)
-    for i in range(count):
-        fd = os.open(os.path.join(directory, _file_name(i)),
-                     os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time the process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Timed:
+    """One mount of the pool, timed from the daemon's start until a stat answers. Beside
+    the wall time it takes the daemon's CPU time (``cpu``), which a busy machine stretches
+    far less: the wall times of these runs swing by 2x on a shared 2-core machine."""
+
+    cpu = 0.0  # CPU seconds of the daemon for the last mount or umount
+
+    def __init__(self, pool: Path, mountpoint: Path, log: Path, timeout: float) -> None:
+        self.daemon = MountProcess.rpmemfs(pool, mountpoint, "pmem=force", log_path=log)
+        self.probe = mountpoint / dir_name(0) / file_name(0)
+        self.timeout = timeout
+
+    def mount(self) -> float:
+        start = time.perf_counter()
+        proc = self.daemon.spawn()
+        deadline = start + self.timeout
+        while True:
+            try:
+                os.stat(self.probe)
+                took = time.perf_counter() - start
+                self.cpu = cpu_seconds(proc.pid)
+                return took
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                raise SpawnError(f"rpmemfs mount exited with status {proc.returncode}"
+                                 + log_tail(self.daemon.log_path))
+            if time.perf_counter() > deadline:
+                self.daemon.stop()
+                raise SpawnError(f"no stat answered {self.timeout:.0f} s after starting "
+                                 "rpmemfs mount" + log_tail(self.daemon.log_path))
+            time.sleep(0.002)
+
+    def status(self) -> dict[str, Any]:
+        done = run_rpmemfs("status", "--json", self.daemon.mountpoint)
+        st: dict[str, Any] = json.loads(done.stdout)
+        return st
+
+    def kill9(self) -> None:
+        self.daemon.kill()
+        detach(self.daemon.mountpoint)
+
+    def umount(self) -> float:
+        assert self.daemon.proc is not None
+        pid = self.daemon.proc.pid
+        before = cpu_seconds(pid)
+        start = time.perf_counter()
+        run_rpmemfs("umount", self.daemon.mountpoint, timeout=self.timeout)
+        took = time.perf_counter() - start
+        # Reaped here for its rusage (Popen takes a vanished child as exited with status 0).
+        _pid, _status, usage = os.wait4(pid, 0)
+        self.cpu = usage.ru_utime + usage.ru_stime - before
+        self.daemon.wait(self.timeout)
+        return took
+
+
+def _write_files(mountpoint: Path, n: int) -> None:
+    directory = mountpoint / "written"
+    directory.mkdir()
+    for i in range(n):
+        fd = os.open(directory / f"w{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, b"%d/%d\n" % (index, i))
+            os.write(fd, b"%d\n" % i)
+            os.fsync(fd)
         finally:
             os.close(fd)
-    return count
-
-
-def _fill(mountpoint: Path, n_files: int, limit: float) -> float:
-    jobs = [(str(mountpoint), d, min(FILES_PER_DIR, n_files - d * FILES_PER_DIR))
-            for d in range((n_files + FILES_PER_DIR - 1) // FILES_PER_DIR)]
-    start = time.perf_counter()
-    deadline = start + limit
-    done, next_report = 0, n_files // 10
-    # A few processes, because the daemon can work while a client is in a syscall.
-    with multiprocessing.get_context("fork").Pool(FILL_WORKERS) as pool:
-        # chunksize 1: larger chunks return a plain generator without next(timeout).
-        results = pool.imap_unordered(_fill_one_dir, jobs, chunksize=1)
-        for _ in jobs:
-            try:
-                done += results.next(timeout=max(0.0, deadline - time.perf_counter()))
-            except multiprocessing.TimeoutError:
-                raise Timeout(f"creating {n_files:,} files took over {limit:.0f} s") from None
-            if done >= next_report:
-                note(f"mount100k: {done:,}/{n_files:,} files created")
-                next_report += max(1, n_files // 10)
-    return time.perf_counter() - start
-
-
-def _wait_for_stat(path: Path, deadline: float) -> None:
-    while True:
-        try:
-            os.stat(path)
-            return
-        except OSError:
-            if time.perf_counter() >= deadline:
-                raise
-        time.sleep(0.001)
 
 
 def measure_mount_time(workdir: Path, pool_size: str, n_files: int,
                        timeout: float) -> WorkloadResult:
     pool = workdir / "mount100k.pool"
-    mountpoint = workdir / "mnt-mount100k"
-    note(f"mount100k: mkfs {pool} --size {pool_size}")
-    mkfs(pool, pool_size)
-    fill_log = workdir / "mount100k-fill.log"
-    with rpmemfs_daemon(pool, mountpoint, fill_log):
-        try:
-            create_seconds = _fill(mountpoint, n_files, 60.0 + n_files * FILL_SECONDS_PER_FILE)
-        except (OSError, Timeout) as exc:
-            raise SpawnError(f"creating the files failed: {exc}" + log_tail(fill_log)) from None
-    note(f"mount100k: {n_files:,} files in {create_seconds:.1f} s; unmounted, now timing mount")
-
-    probe = mountpoint / _dir_name(0) / _file_name(0)
-    log = workdir / "mount100k-mount.log"
-    with open(log, "wb") as log_file:
-        start = time.perf_counter()
-        # Background mode: the command itself returns once the mount is up.
-        proc = subprocess.Popen(
-            rpmemfs_command("mount", pool, mountpoint, "-o", "pmem=force"),
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            env=child_env(),
-        )
+    size = pool_size_for(n_files, pool_size)
+    note(f"mount100k: mkfs {pool} --size {size}")
+    mkfs(pool, size)
+    create_seconds = populate(pool, n_files)
+    note(f"mount100k: {n_files:,} files made in-process in {create_seconds:.1f} s; timing mounts")
+    timed = Timed(pool, workdir / "mnt-mount100k", workdir / "mount100k-mount.log", timeout)
+    details: dict[str, float] = {"files": float(n_files), "create_seconds": create_seconds}
+    cpu: dict[str, float] = {}
     try:
-        try:
-            status = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise SpawnError(f"rpmemfs mount did not return within {timeout:.0f} s") from None
-        returned = time.perf_counter()
-        if status != 0:
-            output = log.read_text(errors="replace").strip()
-            raise SpawnError(f"rpmemfs mount exited with status {status}:\n  {output}")
-        try:
-            _wait_for_stat(probe, returned + timeout)
-        except OSError as exc:
-            raise SpawnError(f"mounted, but stat failed: {exc}" + log_tail(log)) from None
-        answered = time.perf_counter()
+        after_kill = timed.mount()
+        cpu["mount_after_kill"] = timed.cpu
+        replay = timed.status()["replay"]
+        # (.get: a tree from before status showed the tail is measured by this tool too)
+        details |= {"replayed_records_after_kill": replay["records"],
+                    "tail_records_after_kill": replay.get("tail_records", -1)}
+        timed.kill9()
+        after_second_kill = timed.mount()
+        cpu["mount_after_second_kill"] = timed.cpu
+        details["tail_records_after_second_kill"] = timed.status()["replay"].get("tail_records", -1)
+        umount_idle = timed.umount()
+        cpu["umount"] = timed.cpu
+        clean = timed.mount()
+        cpu["mount"] = timed.cpu
+        _write_files(timed.daemon.mountpoint, WRITES_BEFORE_UMOUNT)
+        umount_written = timed.umount()
+        cpu["umount_after_writes"] = timed.cpu
+    except (OSError, subprocess.SubprocessError, KeyError, ValueError) as exc:
+        raise SpawnError(f"mount100k: {exc}" + log_tail(timed.daemon.log_path)) from None
     finally:
-        unmount(mountpoint)
-
-    note(f"mount100k: mounted and answering after {answered - start:.2f} s")
+        timed.daemon.stop()
+    note(f"mount100k: mount {clean:.2f} s after a clean unmount, {after_kill:.2f} s after "
+         f"kill -9 (tail of {details['tail_records_after_kill']:.0f} records), "
+         f"{after_second_kill:.2f} s after a second one; umount {umount_idle:.2f} s idle, "
+         f"{umount_written:.2f} s after {WRITES_BEFORE_UMOUNT} fsynced files; daemon CPU: "
+         + ", ".join(f"{k} {v:.2f} s" for k, v in cpu.items()))
     return WorkloadResult(
-        metrics=[Metric("mount", answered - start, "s", "lower")],
-        details={
-            "files": float(n_files),
-            "create_seconds": create_seconds,
-            "command_return_seconds": returned - start,
-            "first_stat_seconds": answered - start,
-        },
+        metrics=[Metric("mount", clean, "s", "lower"),
+                 Metric("mount_after_kill", after_kill, "s", "lower"),
+                 Metric("mount_after_second_kill", after_second_kill, "s", "lower"),
+                 Metric("umount", umount_idle, "s", "lower"),
+                 Metric("umount_after_writes", umount_written, "s", "lower"),
+                 *(Metric(f"{name}_cpu", seconds, "s", "lower") for name, seconds in cpu.items())],
+        details=details,
     )

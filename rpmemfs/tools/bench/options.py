@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                         "`python -m rpmemfs.tools.bench.micro --help`)")
     p.add_argument("--pool-size", default="1G", metavar="SIZE",
                    help="size of the rpmemfs pool, as `rpmemfs mkfs --size` takes it "
-                        "(default: 1G)")
+                        f"(default: 1G; {MOUNT100K} makes its pool bigger when its files need it)")
     p.add_argument("--mount-files", type=int, metavar="N",
                    help=f"also run {MOUNT100K} with N files (default N: {DEFAULT_MOUNT_FILES:,}, "
                         f"{DEFAULT_MOUNT_FILES // 10:,} with --quick)")
