@@ -118,6 +118,18 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._next_dh = 1
 
+    def counters(self) -> dict[str, Any]:
+        """What this layer counts, for status."""
+        return {
+            "copy_file_range": self.extents.stats(),
+            "poll_us": self.poller.budget_us,
+            "poll_passes": self.poller.polls,
+            "poll_yielded": self.poller.yielded,
+            "getxattr_calls": self.getxattr_calls,
+            # Whether the kernel took FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before writes).
+            "handle_killpriv_v2": pyfuse3.handle_killpriv_v2(),
+        }
+
     # ---------------------------------------------------------------- helpers
 
     def entry(self, node: Inode) -> pyfuse3.EntryAttributes:
