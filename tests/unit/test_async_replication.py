@@ -8,6 +8,8 @@ Time is trio's MockClock: delays cost no real time, and durations are exact.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -238,17 +240,26 @@ class Persister:
         self.buf[offset: offset + len(data)] = data
 
 
+@asynccontextmanager
+async def _slow_pair() -> AsyncIterator[tuple[Rig, ReplicaSet, Source, Backlog, Durability]]:
+    """Two replicas that take 0.5 s per barrier, followed asynchronously, senders running."""
+    rig = Rig(2)
+    rs = await rig.open()
+    for t in rig.targets:
+        t.delay(0.5)
+    src = Source()
+    backlog = Backlog(rs)
+    d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backlog.run)
+        yield rig, rs, src, backlog, d
+        nursery.cancel_scope.cancel()
+    await rs.aclose()
+
+
 def test_an_async_point_ends_locally_and_flush_waits_for_the_replicas() -> None:
     async def main() -> None:
-        rig = Rig(2)
-        rs = await rig.open()
-        for t in rig.targets:
-            t.delay(0.5)
-        src = Source()
-        backlog = Backlog(rs)
-        d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backlog.run)
+        async with _slow_pair() as (rig, rs, src, backlog, d):
             block = [data(rig.hdr, 11)]
             rig.scribble(block)
             src.queue.append(Changes(data=block, log=(rig.hdr.area_off(0) + 4096, os.urandom(64)), seq=1))
@@ -271,8 +282,6 @@ def test_an_async_point_ends_locally_and_flush_waits_for_the_replicas() -> None:
                 await d.point()
             assert src.durable == [1, 2]
             assert d.pending()
-            nursery.cancel_scope.cancel()
-        await rs.aclose()
 
     run(main)
 
@@ -303,15 +312,7 @@ def test_promote_reports_how_far_behind_the_most_advanced_replica_its_source_was
 
 def test_the_periodic_commit_and_the_barrier_drain_wait_until_the_replicas_hold_everything() -> None:
     async def main() -> None:
-        rig = Rig(2)
-        rs = await rig.open()
-        for t in rig.targets:
-            t.delay(0.5)
-        src = Source()
-        backlog = Backlog(rs)
-        d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backlog.run)
+        async with _slow_pair() as (rig, rs, src, backlog, d):
             block = [data(rig.hdr, 21)]
             rig.scribble(block)
             src.queue.append(Changes(data=block, seq=1))
@@ -331,7 +332,5 @@ def test_the_periodic_commit_and_the_barrier_drain_wait_until_the_replicas_hold_
                 assert rig.replica_holds(0, more) and rig.replica_holds(1, more)
                 assert not backlog.batches
                 assert all(backlog.lag(r) == {**(backlog.lag(r) or {}), "lag_bytes": 0} for r in rs.replicas)
-            nursery.cancel_scope.cancel()
-        await rs.aclose()
 
     run(main)
