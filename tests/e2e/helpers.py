@@ -18,7 +18,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from rpmemfs.mountinfo import is_mounted as is_mounted  # the tests ask helpers for it
-from rpmemfs.tools.processes import MountProcess, SpawnError, detach
+from rpmemfs.tools.processes import MountProcess, SpawnError, TargetProcess, detach
 
 REPO = Path(__file__).resolve().parents[2]
 CLI: list[str] = [sys.executable, "-m", "rpmemfs.cli"]
@@ -94,6 +94,11 @@ def mkfs(pool: Path, size: str = "64M", *extra: str) -> None:
     res = cli("mkfs", pool, "--size", size, *extra)
     assert res.returncode == 0, describe(res)
     assert "Traceback" not in res.stderr, describe(res)
+
+
+def mkfs_replicated(pool: Path, targets: Sequence[TargetProcess], *extra: str, size: str = "64M") -> None:
+    """`rpmemfs mkfs POOL` with a replica named "app" on each of the target daemons."""
+    mkfs(pool, size, *extra, *(a for t in targets for a in ("--replica", f"{t.address}/app")))
 
 
 def check_json(pool: Path) -> tuple[int, dict[str, Any]]:

@@ -23,7 +23,16 @@ from pathlib import Path
 
 import pytest
 from conftest import MountPool
-from helpers import assert_check_clean, cli, pool_content, replica_file, status_json, wait_until, write_fsync
+from helpers import (
+    assert_check_clean,
+    cli,
+    mkfs_replicated,
+    pool_content,
+    replica_file,
+    status_json,
+    wait_until,
+    write_fsync,
+)
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -50,14 +59,6 @@ try:
 except OSError as e:
     print(f"writer stopped at {seq}: {e}", file=sys.stderr)
 """
-
-
-def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
-    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", "64M"]
-    for t in targets:
-        args += ["--replica", f"{t.address}/app"]
-    res = cli(*args)
-    assert res.returncode == 0, res.stderr
 
 
 def _records(data: bytes) -> tuple[list[int], int | None]:
@@ -91,7 +92,7 @@ def _records(data: bytes) -> tuple[list[int], int | None]:
 def test_kill9_of_the_primary_under_fsyncs_leaves_each_replica_a_prefix_of_the_acked_history(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options=ASYNC)
     writers = []
     for i in range(2):
@@ -146,7 +147,7 @@ def test_kill9_of_the_primary_under_fsyncs_leaves_each_replica_a_prefix_of_the_a
 def test_lag_shows_in_status_returns_to_zero_and_verify_is_clean(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options=ASYNC)
     for i in range(40):
         with open(m.path / f"f{i}", "wb") as f:
@@ -175,7 +176,7 @@ def test_lag_shows_in_status_returns_to_zero_and_verify_is_clean(
 def test_bad_replication_options_are_refused_with_a_clear_message(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     for i, (opts, says) in enumerate([
         ("replication=foo", "replication= must be sync or async, not 'foo'"),
         ("replication=async,max_lag=0", "max_lag= must be above 0"),
@@ -193,7 +194,7 @@ def test_a_stopped_replica_holds_writers_at_max_lag_then_eio_and_it_rejoins(
     max_lag (1M here) and no further; at replica_timeout it is left out, marked for all it did
     not acknowledge, and fsync says EIO until it is back; then it resyncs and verify is clean."""
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options=ASYNC)
     write_fsync_file = m.path / "stream"
     proc = targets[1].proc

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from conftest import MakePool, Mount, MountPool
-from helpers import cli
+from helpers import cli, mkfs_replicated
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -88,9 +88,7 @@ def test_status_answers_while_writers_keep_the_daemon_busy(make_pool: MakePool,
 def test_barriers_complete_while_writers_keep_the_daemon_busy(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "busy.pool"
-    replicas = (a for t in targets for a in ("--replica", f"{t.address}/busy"))
-    res = cli("mkfs", pool, "--size", "64M", *replicas)
-    assert res.returncode == 0, res.stderr
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options="pmem=force")
     answers = _run_busy(m)
     assert all(a["health"] == "healthy" for a in answers), answers[-1]

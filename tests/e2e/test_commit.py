@@ -22,6 +22,7 @@ from helpers import (
     cli,
     describe,
     is_mounted,
+    mkfs_replicated,
     replica_file,
     status_json,
     write_fsync,
@@ -30,11 +31,6 @@ from helpers import (
 from rpmemfs.tools.processes import TargetProcess
 
 ALONE = "pmem=force,min_replicas=0,replica_timeout=1"
-
-
-def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
-    res = cli("mkfs", pool, "--size", "64M", *(a for t in targets for a in ("--replica", f"{t.address}/app")))
-    assert res.returncode == 0, res.stderr
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -83,7 +79,7 @@ def _unfsynced(m: Mount) -> dict[str, bytes]:
 def test_the_default_periodic_commit_makes_unfsynced_writes_durable_everywhere(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool)
     assert status_json(m.path)["commit"]["seconds"] == 5  # the default, as ext4's
     files = _unfsynced(m)
@@ -98,7 +94,7 @@ def test_the_default_periodic_commit_makes_unfsynced_writes_durable_everywhere(
 def test_flush_makes_unfsynced_writes_durable_everywhere_at_once(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options="pmem=force,commit=0")  # only the flush can have done it
     files = _unfsynced(m)
     res = cli("flush", m.path)
@@ -113,7 +109,7 @@ def test_flush_makes_unfsynced_writes_durable_everywhere_at_once(
 def test_without_the_commit_unfsynced_writes_are_not_durable(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options="pmem=force,commit=0")
     assert status_json(m.path)["commit"] == {"seconds": 0}
     write_fsync(m.path / "kept", b"k" * 3000)
@@ -128,7 +124,7 @@ def test_without_the_commit_unfsynced_writes_are_not_durable(
 def test_a_failing_commit_is_logged_once_and_flush_says_why(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options="pmem=force,commit=1,replica_timeout=2")  # min_replicas: all
     write_fsync(m.path / "first", b"1" * 1000)
     targets[1].kill()

@@ -16,20 +16,21 @@ import shutil
 from pathlib import Path
 
 from conftest import MountPool
-from helpers import assert_check_clean, cli, pool_content, replica_file, status_json, wait_until, write_fsync
+from helpers import (
+    assert_check_clean,
+    cli,
+    mkfs_replicated,
+    pool_content,
+    replica_file,
+    status_json,
+    wait_until,
+    write_fsync,
+)
 
 from rpmemfs.pool.layout import Header, show_epoch
 from rpmemfs.tools.processes import TargetProcess
 
 OPTS = "pmem=force,replica_timeout=2"
-
-
-def _mkfs(pool: Path, targets: list[TargetProcess]) -> None:
-    args: list[str | os.PathLike[str]] = ["mkfs", pool, "--size", "64M"]
-    for t in targets:
-        args += ["--replica", f"{t.address}/app"]
-    res = cli(*args)
-    assert res.returncode == 0, res.stderr
 
 
 def _epoch(path: Path) -> str:
@@ -41,7 +42,7 @@ def _failover(work_dir: Path, targets: list[TargetProcess], mount_pool: MountPoo
     """A primary writes and dies (kill -9); a new primary is recovered from replica 0 and
     mounted (claiming both replicas). Returns the old pool, the new pool, what was acked."""
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=old_options)
     acked = {f"a{i}": bytes([65 + i]) * (3000 + 5000 * i) for i in range(4)}
     for name, data in acked.items():
@@ -111,7 +112,7 @@ def test_the_old_primary_back_before_the_new_one_writes_is_refused(
 def test_a_running_old_primary_is_fenced_when_the_new_one_claims_its_replicas(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     write_fsync(a.path / "before", b"b" * 9000)
     # While A still runs (a partition it cannot see, say), a new primary is made and mounted.
@@ -166,7 +167,7 @@ def _promote(new: Path, source: TargetProcess, *extra: str) -> dict[str, object]
 def test_promote_fences_the_old_primary_before_the_new_one_is_even_mounted(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     acked = {f"a{i}": bytes([65 + i]) * (4000 + 3000 * i) for i in range(3)}
     for name, data in acked.items():
@@ -199,7 +200,7 @@ def test_promote_fences_the_old_primary_before_the_new_one_is_even_mounted(
 def test_promote_with_a_replica_down_fences_it_when_it_returns(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     write_fsync(a.path / "a", b"a" * 30000)
     a.kill9()
@@ -228,7 +229,7 @@ def test_promote_with_a_replica_down_fences_it_when_it_returns(
 def test_promote_onto_an_older_copy_sends_only_what_differs(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     write_fsync(a.path / "big", os.urandom(8 << 20))
     a.unmount()
@@ -258,7 +259,7 @@ def test_a_session_that_does_not_claim_a_claimed_pool_can_read_it_but_never_writ
     from rpmemfs.transport.tcp import connect
 
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     q = mount_pool(pool, name="q", options=OPTS)  # claims both replicas
     write_fsync(q.path / "f", b"f" * 5000)
     before = replica_file(targets[1]).read_bytes()
@@ -290,7 +291,7 @@ def test_two_takeovers_racing_one_wins_and_the_other_is_told_who(
     import sys
 
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     write_fsync(a.path / "a", b"a" * 20000)
     a.kill9()
@@ -330,7 +331,7 @@ def test_two_takeovers_racing_one_wins_and_the_other_is_told_who(
 def test_mount_takeover_fences_the_newer_owner_and_wins_the_replicas(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     write_fsync(a.path / "a", b"a" * 9000)
     a.unmount()
@@ -356,7 +357,7 @@ def test_a_target_says_who_owns_its_pools_and_an_administrator_can_evict_a_write
     import json
 
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     q = mount_pool(pool, name="q", options=OPTS)
     write_fsync(q.path / "f", b"f" * 5000)
     t = targets[1]
@@ -402,7 +403,7 @@ def test_promote_killed_at_random_moments_leaves_every_replica_consistent(
     import time
 
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     acked = {f"f{i}": os.urandom(300_000) for i in range(30)}
     for name, data in acked.items():

@@ -17,6 +17,7 @@ from conftest import Host, MountPool, ip
 from helpers import (
     assert_check_clean,
     cli,
+    mkfs_replicated,
     pool_content,
     replica_file,
     status_json,
@@ -27,12 +28,6 @@ from helpers import (
 from rpmemfs.tools.processes import TargetProcess
 
 OPTS = "pmem=force,replica_timeout=2"
-
-
-def _mkfs(pool: Path, targets: list[TargetProcess], *extra: str) -> None:
-    res = cli("mkfs", pool, "--size", "64M", *extra,
-              *(a for t in targets for a in ("--replica", f"{t.address}/app")))
-    assert res.returncode == 0, res.stderr
 
 
 def _states(mnt: Path) -> list[str]:
@@ -73,7 +68,7 @@ class Writer:
 def test_add_a_replica_while_a_writer_fsyncs_then_remove_it(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets[:1])
+    mkfs_replicated(pool, targets[:1])
     m = mount_pool(pool, options=OPTS)
     for i in range(20):
         write_fsync(m.path / f"before{i}", os.urandom(100_000))
@@ -118,7 +113,7 @@ def test_add_a_replica_while_a_writer_fsyncs_then_remove_it(
 def test_remove_below_min_replicas_is_refused_unless_forced(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options=OPTS + ",min_replicas=2")
     res = cli("replica", "remove", m.path, f"{targets[1].address}/app")
     assert res.returncode == 1 and "fsync would return EIO" in res.stderr, res.stderr
@@ -135,7 +130,7 @@ def test_remove_below_min_replicas_is_refused_unless_forced(
 def test_the_old_primary_rejoins_as_a_replica_of_the_new_one(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     a = mount_pool(pool, name="a", options=OPTS)
     acked = {f"a{i}": os.urandom(400_000) for i in range(20)}
     for name, data in acked.items():
@@ -170,7 +165,7 @@ def test_the_old_primary_rejoins_as_a_replica_of_the_new_one(
 def test_a_dead_replica_is_replaced(work_dir: Path, targets: list[TargetProcess],
                                     mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
-    _mkfs(pool, targets)
+    mkfs_replicated(pool, targets)
     m = mount_pool(pool, options=OPTS + ",min_replicas=1")
     write_fsync(m.path / "f", os.urandom(300_000))
     targets[1].kill()  # the node is gone for good
