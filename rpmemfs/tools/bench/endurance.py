@@ -18,7 +18,7 @@ import json
 import os
 import random
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -26,11 +26,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rpmemfs.tools.bench.stats import percentile
+from rpmemfs.tools.bench.workloads import _fsync_writer
 from rpmemfs.tools.processes import MountProcess, TargetProcess, run_rpmemfs
 
 BLOCK = 4096
 FILE_SIZE = 16 << 20
-WRITER_FILE = 4 << 20
 
 
 def _log(msg: str) -> None:
@@ -47,9 +48,11 @@ def _rss_kib(pid: int) -> int:
     raise RuntimeError(f"no RssAnon for pid {pid}")
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+def _window(latencies_us: list[float]) -> dict[str, float]:
+    s = sorted(latencies_us)
+    if not s:  # one fsync outlasted the whole window
+        return {"n": 0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0}
+    return {"n": len(s), "p50_us": percentile(s, 50), "p99_us": percentile(s, 99), "max_us": s[-1]}
 
 
 def startup_latency(mnt: Path, window: float) -> dict[str, Any]:
@@ -74,49 +77,50 @@ def startup_latency(mnt: Path, window: float) -> dict[str, Any]:
             (first if a - t0 < window else second).append(lat)
     finally:
         os.close(fd)
-    p99a, p99b = _pct(first, 0.99), _pct(second, 0.99)
-    return {"window_s": window, "first": {"n": len(first), "p50_us": _pct(first, 0.5), "p99_us": p99a,
-                                          "max_us": max(first, default=0.0)},
-            "second": {"n": len(second), "p50_us": _pct(second, 0.5), "p99_us": p99b,
-                       "max_us": max(second, default=0.0)},
-            "p99_ratio": p99a / p99b if p99b else 0.0}
-
-
-_WRITER = r"""
-import os, random, sys, time
-path, seconds = sys.argv[1], float(sys.argv[2])
-fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-rng = random.Random(path)
-buf = os.urandom(4096)
-n = 0
-end = time.monotonic() + seconds
-while time.monotonic() < end:
-    os.pwrite(fd, buf, rng.randrange(BLOCKS) * 4096)
-    os.fsync(fd)
-    n += 1
-print(n)
-""".replace("BLOCKS", str(WRITER_FILE // BLOCK))
+    early, late = _window(first), _window(second)
+    return {"window_s": window, "first": early, "second": late,
+            "p99_ratio": early["p99_us"] / late["p99_us"] if late["p99_us"] else 0.0}
 
 
 def memory_under_load(mnt: Path, pid: int, jobs: int, minutes: float, sample: float) -> dict[str, Any]:
-    """``jobs`` writers for ``minutes``; the daemon's RSS sampled meanwhile."""
+    """``jobs`` writers (the bench's concurrent_fsync writer) for ``minutes``; the daemon's RSS
+    sampled meanwhile."""
     seconds = minutes * 60
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(mnt / f"job{i}.dat"), str(seconds)],
-                              stdout=subprocess.PIPE, text=True) for i in range(jobs)]
+    start_r, start_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pids = []
+    for i in range(jobs):
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                os.close(start_w)
+                os.close(out_r)
+                _fsync_writer(mnt / f"job{i}.dat", seconds, start_r, out_w)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(child)
+    os.close(start_r)
+    os.close(out_w)
+    os.close(start_w)  # go
     samples: list[tuple[float, int]] = []
     t0 = time.monotonic()
+    running = set(pids)
     try:
-        while any(p.poll() is None for p in procs):
+        while running:
             samples.append((round(time.monotonic() - t0, 1), _rss_kib(pid)))
             if len(samples) % 10 == 1:
                 _log(f"{samples[-1][0]:.0f}s of {seconds:.0f}s: daemon RSS {samples[-1][1] / 1024:.1f} MiB")
             time.sleep(sample)
+            running = {p for p in running if os.waitpid(p, os.WNOHANG) == (0, 0)}
         samples.append((round(time.monotonic() - t0, 1), _rss_kib(pid)))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    ops = sum(int((p.communicate()[0] or "0").strip() or 0) for p in procs)
+        for p in running:
+            os.kill(p, signal.SIGKILL)
+            os.waitpid(p, 0)
+    with os.fdopen(out_r) as out:
+        ops = sum(int(line.split()[0]) for line in out.read().splitlines() if line.strip())
     # Warm-up (the first writes allocate the files' blocks, the caches fill): the start is
     # taken one sample in, where a steady run's memory should stay.
     start = samples[min(1, len(samples) - 1)][1]
