@@ -124,6 +124,7 @@ struct rpm_lane {
     int fd;
     int apm;
     int spin_us;
+    unsigned spin_skip; /* frames still to wait for without spinning (rpmem_lane.c) */
     int idle_ms;
     int frame_ms;
     int stop;

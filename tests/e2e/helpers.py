@@ -6,6 +6,7 @@ everything else is ordinary syscalls and real programs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -464,3 +465,41 @@ def write_fsync(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- CPU contention
+
+
+def pin_process(pid: int, *cpus: int) -> None:
+    """Every thread of ``pid`` (and the threads they start later) on ``cpus`` only."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_used_over(pid: int, seconds: float) -> float:
+    before = cpu_seconds(pid)
+    time.sleep(seconds)
+    return cpu_seconds(pid) - before
+
+
+@contextlib.contextmanager
+def cpu_wanted(cpu: int) -> Iterator[None]:
+    """A process on ``cpu`` that runs for 20 us, sleeps for 50 and so on: what a program doing
+    short requests looks like to the scheduler. A thread spinning on that CPU is preempted
+    by it, though a yield rarely finds it runnable."""
+    script = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n"
+              "    t = time.perf_counter()\n    while time.perf_counter() - t < 2e-5:\n        pass\n"
+              "    time.sleep(5e-5)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(0.2)  # started and pinned
+        yield
+    finally:
+        proc.kill()
+        proc.wait()

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,12 @@ from helpers import (
     assert_clean_error,
     check_json,
     cli,
+    cpu_used_over,
+    cpu_wanted,
     describe,
     fsync_path,
     is_mounted,
+    pin_process,
     wait_until,
 )
 
@@ -346,6 +350,43 @@ def test_polling_budget(make_pool: MakePool, mount_pool: MountPool, poll_us: int
     assert (passes + yielded > 0) == (poll_us > 0), st
     m.remount()
     assert (m.path / "f").read_bytes()[19 * 4096:19 * 4096 + 3] == b"191"
+
+
+def test_polling_stops_on_a_cpu_another_thread_wants(make_pool: MakePool, mount_pool: MountPool) -> None:
+    """The daemon polls /dev/fuse after a request for poll_us, but not on a CPU another
+    thread wants: a program that runs a moment between system calls preempts the poller,
+    and that ends the poll (and the polls of the next requests)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: the daemon's and the test's")
+    cpu, mine = cpus[0], cpus[1:]
+    m = mount_pool(make_pool("16M"), options="pmem=force,poll_us=1000000")
+    assert m.proc is not None
+    pid = m.proc.pid
+    pin_process(pid, cpu)
+    pin_process(os.getpid(), *mine)  # the requests come from here
+    try:
+        fd = os.open(m.path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            # Alone on its CPU the daemon polls after a request (most of the window); enough
+            # requests first that whatever woke on that CPU while mounting is behind it.
+            for i in range(300):
+                os.pwrite(fd, b"alone", i * 8)
+            alone = cpu_used_over(pid, 0.5)
+            assert alone > 0.1, f"the daemon did not poll with its CPU idle ({alone:.3f}s)"
+            time.sleep(0.6)  # past the poll
+            before = status(m.path)["poll_yielded"]
+            with cpu_wanted(cpu):
+                for i in range(3):
+                    os.pwrite(fd, b"contended", i * 16)
+                    os.fsync(fd)
+                busy = cpu_used_over(pid, 0.5)
+            assert busy < 0.1, f"the daemon polled {busy:.3f}s of 0.5 on a CPU another thread wanted"
+            assert status(m.path)["poll_yielded"] > before  # type: ignore[operator]
+        finally:
+            os.close(fd)
+    finally:
+        pin_process(os.getpid(), *cpus)
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1000001", ""])

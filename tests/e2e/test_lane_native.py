@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import cpu_used_over, cpu_wanted, pin_process
 from test_target import RawConn, Running, pool_name
 
 from rpmemfs.native import crc32c
@@ -589,6 +590,48 @@ def test_no_spinning_and_an_idle_lane_is_closed(scratch: Path) -> None:
         log = t.finish()
     assert "closing lane idle for 1s" in log, log
     assert log.count("closing lane idle") == 1, log
+
+
+def test_a_lane_stops_spinning_on_a_cpu_another_thread_wants(scratch: Path) -> None:
+    """After a frame a lane polls for the next one for --spin-us, but not on a CPU another
+    thread wants: a program that runs a moment between system calls, never runnable when the
+    lane yields, still preempts it, and that ends the spin (and the next ones)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: the target's and the test's")
+    cpu, mine = cpus[0], cpus[1:]
+    t = Running(scratch, extra=["--spin-us", "1000000"])
+    proc = t.proc.proc
+    assert proc is not None
+    pin_process(proc.pid, cpu)  # the lane threads it starts inherit it
+    # This process sends the frames: on the target's CPU it would preempt the lane itself.
+    pin_process(os.getpid(), *mine)
+    name = pool_name()
+    try:
+
+        async def main() -> None:
+            async with await session(t) as s:
+                lane = s.lanes[0]
+                region = await s.create_pool(name, POOL)
+                # Alone on its CPU the lane spins after a barrier (most of the window). Enough
+                # of them first that the target's own loop waking on that CPU (to create the
+                # pool) is behind it: the lane then spins in none of its next 256 waits.
+                for i in range(600):
+                    await barrier(lane, region, [(64 * i, b"alone")])
+                alone = await trio.to_thread.run_sync(cpu_used_over, proc.pid, 0.5)
+                assert alone > 0.1, f"the lane did not spin with its CPU idle ({alone:.3f}s)"
+                await trio.sleep(0.6)  # past its spin: it sleeps in poll(2)
+                with cpu_wanted(cpu):
+                    for i in range(3):
+                        await barrier(lane, region, [(64 * i, b"contended")])
+                    busy = await trio.to_thread.run_sync(cpu_used_over, proc.pid, 0.5)
+                    assert await lane.read(region, 0, 9) == b"contended"
+                assert busy < 0.1, f"the lane spun {busy:.3f}s of 0.5 on a CPU another thread wanted"
+
+        run(main)
+    finally:
+        pin_process(os.getpid(), *cpus)
+        t.finish()
 
 
 # --------------------------------------------------------------------------- 6. SIGTERM
