@@ -15,6 +15,7 @@ from rpmemfs.tools.bench.machine import describe
 from rpmemfs.tools.bench.mount100k import measure_mount_time
 from rpmemfs.tools.bench.options import MOUNT100K, Options
 from rpmemfs.tools.bench.results import Outcome, RunResult, TargetStatus
+from rpmemfs.tools.bench.settle import IDLE, TIMEOUT, wait_until_quiet
 from rpmemfs.tools.bench.stats import WorkloadResult, combine_rounds
 from rpmemfs.tools.bench.targets import TARGETS, Target
 from rpmemfs.tools.bench.workloads import WORKLOADS, Scale, Workload
@@ -61,6 +62,10 @@ def _run_workloads(opts: Options, scale: Scale, workdir: Path, result: RunResult
     errors: dict[tuple[str, str], str] = {}
     with ExitStack() as stack:
         targets = _bring_up(stack, workdir, opts.targets, opts.pool_size, result)
+        note("waiting for the daemons to map their pools in (the machine going quiet)")
+        waited = wait_until_quiet()
+        note(f"quiet after {waited:.1f}s" if waited is not None else
+             f"not {IDLE:.0%} idle within {TIMEOUT:g}s: measuring anyway (other load on the machine?)")
         for round_no in range(opts.rounds):
             # Workload by workload rather than target by target, and a different target
             # first in every round, so drifting background load on a shared machine
