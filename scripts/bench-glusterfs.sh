@@ -8,6 +8,8 @@
 #
 # Environment:
 #   FIO_RUNTIME=20          seconds of measurement per target (the job is time based)
+#   NUMJOBS=1               fio processes per target, each on a file of its own, reported
+#                           together (issue 18 compares IOPS at 16)
 #   BENCH_BASE=/dev/shm     where the work directory is made (tmpfs: everything in memory)
 #   GLUSTER_HOST=127.0.0.2  loopback address used for the bricks and the mount (the gluster CLI
 #                           refuses 127.0.0.1/localhost as a brick host; 127.0.0.2 is accepted)
@@ -31,6 +33,7 @@ for arg in "$@"; do
 done
 
 FIO_RUNTIME=${FIO_RUNTIME:-20}
+NUMJOBS=${NUMJOBS:-1}
 BENCH_BASE=${BENCH_BASE:-/dev/shm}
 GLUSTER_HOST=${GLUSTER_HOST:-127.0.0.2}
 RPMEMFS=${RPMEMFS:-$REPO/.venv/bin/rpmemfs}
@@ -209,14 +212,18 @@ log "work directory $WORK"
 # ---------------------------------------------------------------------------------------------
 # The fio job: the same for every target
 FIO_ARGS=(--name=write4k_fsync --rw=randwrite --bs=4k --size=64m --fsync=1 --ioengine=psync
-          --time_based --runtime="$FIO_RUNTIME" --output-format=json)
+          --time_based --runtime="$FIO_RUNTIME" --output-format=json
+          --numjobs="$NUMJOBS" --group_reporting)
 
 run_fio() {  # NAME DIR
     local name=$1 dir=$2
-    log "$name: fio ${FIO_ARGS[*]} --filename=$dir/fio.dat"
+    log "$name: fio ${FIO_ARGS[*]} in $dir"
     # In the background and waited for: fio catches SIGINT and exits normally, and bash then runs
     # no INT trap for a foreground child; `wait` is interrupted by the trap at once instead.
-    fio "${FIO_ARGS[@]}" --filename="$dir/fio.dat" --output="$WORK/$name.json" &
+    # One job: the file fio.dat; several: a file each in the directory (fio names them).
+    local where=(--filename="$dir/fio.dat")
+    [ "$NUMJOBS" = 1 ] || where=(--directory="$dir" --size=$((64 / NUMJOBS > 4 ? 64 / NUMJOBS : 4))m)
+    fio "${FIO_ARGS[@]}" "${where[@]}" --output="$WORK/$name.json" &
     FIO_PID=$!
     local rc=0
     wait "$FIO_PID" || rc=$?
