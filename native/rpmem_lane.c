@@ -590,10 +590,11 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
 }
 
 /* One barrier's frames, built and handed to the socket without a Python object per range:
- * a WRITE per range of the local pool (same offset remotely), then its one flush. */
-long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
-                      uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
-                      uint8_t *flush_list, uint64_t *total)
+ * a WRITE per range, then its one flush. Range i's bytes are at base + src[i], or, without
+ * src, at base + its remote offset (a range of the local pool, placed at the same offset). */
+long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *src, const uint64_t *pairs,
+                      uint32_t n, uint32_t key, uint64_t region_size, uint32_t first_id, int apm,
+                      uint8_t *hdrs, uint8_t *flush_list, uint64_t *total)
 {
     struct rpm_wire_hdr *h = (struct rpm_wire_hdr *)hdrs;
     uint64_t bytes = 0;
@@ -635,7 +636,7 @@ long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint6
             size_t len;
             if (j < 2 * n) {
                 uint32_t i = j / 2;
-                p = j % 2 ? (char *)base + pairs[2 * i] : (char *)&h[i];
+                p = j % 2 ? (char *)base + (src ? src[i] : pairs[2 * i]) : (char *)&h[i];
                 len = j % 2 ? pairs[2 * i + 1] : RPM_WIRE_HEADER_SIZE;
             } else if (j == 2 * n) {
                 p = (char *)&h[n];

@@ -172,15 +172,16 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
                      int stop_fd);
 
 /* Initiator: build one barrier's frames and send what the socket takes now. n WRITEs of
- * the ranges in pairs (offset, length) of the local pool at base, each to the same offset
- * of the remote region key (ids first_id ...), then the flush (id first_id + n): with apm
+ * the ranges in pairs (offset, length) of the remote region key (ids first_id ...), range
+ * i's bytes at base + src[i] (a copy) or, with src NULL, at base + its offset (the local
+ * pool at base, same offsets), then the flush (id first_id + n): with apm
  * a flush READ, else a SEND of the range list. hdrs holds RPM_WIRE_HEADER_SIZE (n + 1)
  * bytes, flush_list RPM_WIRE_FLUSH_COUNT_SIZE + RPM_WIRE_FLUSH_RANGE_SIZE n. Returns the
  * bytes sent (less than *total when the socket is full), -EINVAL for a range outside the
  * region, or another -errno; with fd < 0 it only builds the frames. With sec, the frames
  * are sealed (rpm_sec_sendv): bytes sent then counts the plaintext taken. */
-long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *pairs, uint32_t n, uint32_t key,
-                      uint64_t region_size, uint32_t first_id, int apm, uint8_t *hdrs,
-                      uint8_t *flush_list, uint64_t *total);
+long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *src, const uint64_t *pairs,
+                      uint32_t n, uint32_t key, uint64_t region_size, uint32_t first_id, int apm,
+                      uint8_t *hdrs, uint8_t *flush_list, uint64_t *total);
 
 #endif

@@ -2,7 +2,8 @@
 not acknowledged yet, and the senders that carry them to the replicas in the background.
 
 A point in async mode ends when its ranges are persistent locally; what the replicas must get
-is queued here as a :class:`Batch`: a **copy of the bytes taken at the point**, under the
+is queued here as a :class:`Batch`: a **copy of the bytes taken at the point** (one buffer,
+the ranges back to back, which the transport sends from C as it is), under the
 barrier lock, right after the local persist. A copy, not a view of the mapping, because the
 filesystem goes on writing the mapping after fsync returns (and, told the point is durable,
 reuses the log space and the blocks it freed): bytes read later would put a later state
@@ -65,15 +66,15 @@ class Batch:
     """A point's ranges with their bytes as they were at the point, in the order to place."""
 
     n: int  # its number in the backlog: 0, 1, 2, ...
-    writes: list[tuple[int, bytes]]
-    nbytes: int
+    ranges: Ranges  # (offset, length), none empty
+    data: bytes  # the ranges' bytes, back to back (one copy, sent from C as it is)
     end: int  # bytes taken up to and including this batch
     taken: float  # trio.current_time() at the point
     wall: float  # time.time() at the point
 
     @property
-    def ranges(self) -> Ranges:
-        return [(off, len(b)) for off, b in self.writes]
+    def nbytes(self) -> int:
+        return len(self.data)
 
 
 @dataclass(eq=False)
@@ -127,16 +128,16 @@ class Backlog:
             raise error
         buf = rs.local_buf
         size = len(buf)
-        writes: list[tuple[int, bytes]] = []
-        nbytes = 0
+        kept: Ranges = []
         for off, length in ranges:
             if off < 0 or length < 0 or off + length > size:
                 raise ValueError(f"range ({off}, {length}) is outside the local pool of {size} bytes")
             if length:
-                writes.append((off, bytes(buf[off : off + length])))
-                nbytes += length
-        if not writes:
+                kept.append((off, length))
+        if not kept:
             return
+        data = b"".join([buf[off : off + length] for off, length in kept])
+        nbytes = len(data)
         for replica in rs.in_sync:
             f = self.followers.get(replica)
             if f is None or f.joins != replica.joins:
@@ -144,7 +145,7 @@ class Backlog:
                     self._drop(f)
                 self._follow(replica)
         self.total += nbytes
-        self.batches.append(Batch(self.count, writes, nbytes, self.total, trio.current_time(), time.time()))
+        self.batches.append(Batch(self.count, kept, data, self.total, trio.current_time(), time.time()))
         self.count += 1
         for f in list(self.followers.values()):
             if f.send is not None and f.next_post == f.next_ack == self.count - 1:
@@ -294,7 +295,7 @@ class Backlog:
             return None
         b = self._batch(f.next_post)
         assert b is not None
-        posted = replica.post_copies(b.writes, b.nbytes)
+        posted = replica.post_copies(b.data, b.ranges)
         if posted is None:  # the replica is stale now
             self._drop(f)
             return None

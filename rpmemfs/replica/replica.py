@@ -18,7 +18,6 @@ import trio
 from rpmemfs.latency import Histogram
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import (
-    BytesLike,
     Lane,
     LocalPool,
     Method,
@@ -178,18 +177,19 @@ class Replica:
             return None
         return Posted(self, lane, ticket, len(ranges), nbytes, time.perf_counter_ns())
 
-    def post_copies(self, writes: Sequence[tuple[int, BytesLike]], nbytes: int) -> Posted | None:
+    def post_copies(self, data: bytes, ranges: Sequence[tuple[int, int]]) -> Posted | None:
         """:meth:`post` of bytes copied from the local pool at a durability point (asynchronous
-        replication sends them after the mapping moved on), each to the same offset."""
+        replication sends them after the mapping moved on): the ranges' bytes back to back
+        in ``data``, each range to its own offset."""
         if self.state is not IN_SYNC or self.region is None or not self.lanes:
             return None
         lane = self.barrier_lane
         try:
-            ticket = lane.post_barrier(self.region, writes, self.method)
+            ticket = lane.post_barrier_packed(self.region, data, ranges, self.method)
         except TransportError as exc:
             self.fail(str(exc))
             return None
-        return Posted(self, lane, ticket, len(writes), nbytes, time.perf_counter_ns())
+        return Posted(self, lane, ticket, len(ranges), len(data), time.perf_counter_ns())
 
     def _completed(self, posted: Posted) -> bool:
         self.latency.observe_ns(time.perf_counter_ns() - posted.started)

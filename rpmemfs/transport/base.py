@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
@@ -79,6 +80,21 @@ class LocalPool:
     base: Any
 
 
+def packed_offsets(data: bytes, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """Where each range's bytes start in ``data``, which holds them back to back; ValueError
+    unless they fill it exactly."""
+    starts = [0, *accumulate(length for _, length in ranges)]
+    if starts[-1] != len(data):
+        raise ValueError(f"{len(ranges)} ranges of {starts[-1]} bytes in all, but {len(data)} bytes of data")
+    return starts[:-1]
+
+
+def unpack(data: bytes, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+    """Packed ranges (their bytes back to back in ``data``) as (offset, bytes) writes."""
+    view = memoryview(data)
+    return [(off, view[s : s + k]) for (off, k), s in zip(ranges, packed_offsets(data, ranges), strict=True)]
+
+
 class Ticket(Protocol):
     """A barrier posted without waiting: what to poll, and how much its completion holds."""
 
@@ -128,6 +144,13 @@ class Lane(Protocol):
     ) -> Ticket:
         """:meth:`post_barrier` of ``ranges`` of the local pool, each placed at the same offset
         of the remote pool: what replication does, without a buffer object per range."""
+
+    def post_barrier_packed(
+        self, region: RemoteRegion, data: bytes, ranges: Sequence[tuple[int, int]],
+        method: Method | None = None,
+    ) -> Ticket:
+        """:meth:`post_barrier` of ``ranges`` (offset, length) of the remote pool whose bytes
+        lie back to back in ``data``: copies taken earlier (asynchronous replication)."""
 
     def poll(self, ticket: Ticket) -> bool:
         """True once the barrier completed; never waits. TransportError if it failed."""

@@ -37,6 +37,7 @@ from rpmemfs.transport.base import (
     coalesce,
     nbytes,
     open_request,
+    packed_offsets,
 )
 from rpmemfs.transport.conn import Connection, open_connection
 from rpmemfs.transport.sockio import Buffer
@@ -186,27 +187,41 @@ class TcpLane:
     ) -> TcpTicket:
         """:meth:`post_barrier` of ranges of the local pool, each to the same remote offset:
         the frames are built and sent in C, with no Python object per range."""
+        return self._post_native(region, local, ranges, None, method)
+
+    def post_barrier_packed(self, region: RemoteRegion, data: bytes, ranges: Sequence[tuple[int, int]],
+                            method: Method | None = None) -> TcpTicket:
+        packed, src = LocalPool(memoryview(data), ffi.from_buffer(data)), packed_offsets(data, ranges)
+        return self._post_native(region, packed, ranges, src, method)
+
+    def _post_native(
+        self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
+        src: list[int] | None, method: Method | None,
+    ) -> TcpTicket:
+        """Range i's bytes at local.buf[src[i]:], or without src at its own offset."""
         method = method or region.method
-        n = len(ranges)
-        if not 0 < n <= MAX_FLUSH_RANGES or method not in ("apm", "gpspm"):
-            return self.post_barrier(region, [(o, local.buf[o : o + k]) for o, k in ranges], method)
+        n, size = len(ranges), region.size
+
+        def writes() -> list[tuple[int, BytesLike]]:
+            where = src if src is not None else [o for o, _ in ranges]
+            return [(o, local.buf[s : s + k]) for (o, k), s in zip(ranges, where, strict=True)]
+
+        odd = any(off < 0 or not 0 < k <= MAX_WRITE or off + k > size for off, k in ranges)
+        if odd or not 0 < n <= MAX_FLUSH_RANGES or method not in ("apm", "gpspm"):
+            return self.post_barrier(region, writes(), method)  # checks each, says what is wrong
         apm = method == "apm"
         if apm and region.size < FLUSH_READ_SIZE:
             raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")
-        size = region.size
-        for off, length in ranges:
-            if off < 0 or length <= 0 or off + length > size or length > MAX_WRITE:
-                check_range(self.peer, region, off, length)
-                return self.post_barrier(region, [(o, local.buf[o : o + k]) for o, k in ranges], method)
         conn = self._conn
         first = conn.new_ids(n + 1)
         pairs = ffi.new("uint64_t[]", [x for r in ranges for x in r])
+        srcs = ffi.new("uint64_t[]", src) if src is not None else ffi.NULL
         hdrs = ffi.new("uint8_t[]", HEADER_SIZE * (n + 1))
         flist = ffi.new("uint8_t[]", FLUSH_COUNT_SIZE + FLUSH_RANGE_SIZE * n)
         total = ffi.new("uint64_t *")
 
         def send(fd: int) -> tuple[int, int]:
-            got = lib.rpm_post_barrier(conn.io.sec if fd >= 0 else ffi.NULL, fd, local.base, pairs, n,
+            got = lib.rpm_post_barrier(conn.io.sec if fd >= 0 else ffi.NULL, fd, local.base, srcs, pairs, n,
                                        region.key, size, first, apm, hdrs, flist, total)
             if got < 0:
                 raise OSError(-got, os.strerror(-got))
@@ -215,8 +230,8 @@ class TcpLane:
         def rebuild() -> list[Buffer]:
             raw = ffi.buffer(hdrs)
             bufs: list[Buffer] = []
-            for i, (off, length) in enumerate(ranges):
-                bufs += [raw[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], local.buf[off : off + length]]
+            for i, (_, view) in enumerate(writes()):
+                bufs += [raw[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], view]
             bufs.append(raw[HEADER_SIZE * n :])
             if not apm:
                 bufs.append(ffi.buffer(flist)[:])

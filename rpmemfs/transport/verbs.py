@@ -59,6 +59,7 @@ from rpmemfs.transport.base import (
     coalesce,
     nbytes,
     open_request,
+    unpack,
 )
 from rpmemfs.transport.tcp import TcpSession
 from rpmemfs.transport.tcp import connect as tcp_connect
@@ -466,6 +467,12 @@ class VerbsLane:
             mr = self._local.register(base, len(local.buf))
             self._last_local = (local, base, mr)
         return self._barrier(region, self._writes_local(region, mr, base, ranges), ranges, method)
+
+    def post_barrier_packed(
+        self, region: RemoteRegion, data: bytes, ranges: Sequence[tuple[int, int]],
+        method: Method | None = None,
+    ) -> VerbsTicket:
+        return self.post_barrier(region, unpack(data, ranges), method)
 
     def post_barrier(
         self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None

@@ -261,6 +261,37 @@ def test_mixed_traffic_lands_byte_exact_and_is_counted_exactly(
     assert_same(pread(t.pool_dir / name, 0, BIG_POOL), model, f"pool file ({datapath}, {method})")
 
 
+@pytest.mark.parametrize("method", ["gpspm", "apm"])
+def test_packed_copies_land_where_their_ranges_say(targets: Callable[..., Running], method: str) -> None:
+    """post_barrier_packed (asynchronous replication's copies, sent from C): each range's bytes
+    from its place in the packed buffer to its own offset; a buffer that does not match the
+    ranges, or a range outside the pool, sends nothing."""
+    t = targets("c", method)
+    name = pool_name()
+    rng = random.Random(method)
+
+    async def main() -> None:
+        async with await session(t) as s:
+            lane = s.lanes[0]
+            region = await s.create_pool(name, POOL)
+            model = bytearray(POOL)
+            for _ in range(20):
+                ranges = sorted({(rng.randrange(0, POOL - 8192) & ~63, rng.randrange(1, 8192))
+                                 for _ in range(rng.randrange(1, 6))})
+                chunks = [rng.randbytes(k) for _, k in ranges]
+                for (off, k), chunk in zip(ranges, chunks, strict=True):
+                    model[off : off + k] = chunk
+                await lane.wait(lane.post_barrier_packed(region, b"".join(chunks), ranges, method))
+            assert await lane.read(region, 0, POOL) == bytes(model)
+            with pytest.raises(ValueError):
+                lane.post_barrier_packed(region, b"x" * 10, [(0, 4), (64, 4)])
+            with pytest.raises(TransportError):
+                lane.post_barrier_packed(region, b"y" * 8, [(0, 4), (POOL - 2, 4)])
+            assert await lane.read(region, 0, POOL) == bytes(model)  # neither sent anything
+
+    run(main)
+
+
 # --------------------------------------------------------------------------- 2. handoff
 
 

@@ -46,6 +46,7 @@ from rpmemfs.transport.base import (
     Transport,
     TransportError,
     check_range,
+    unpack,
 )
 
 Op = tuple[Any, ...]
@@ -202,6 +203,10 @@ class MemLane:
     def post_barrier_local(self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
                            method: Method | None = None) -> MemTicket:
         return self.post_barrier(region, [(o, local.buf[o: o + n]) for o, n in ranges], method)
+
+    def post_barrier_packed(self, region: RemoteRegion, data: bytes, ranges: Sequence[tuple[int, int]],
+                            method: Method | None = None) -> MemTicket:
+        return self.post_barrier(region, unpack(data, ranges), method)
 
     def poll(self, ticket: Ticket) -> bool:
         assert isinstance(ticket, MemTicket)
