@@ -14,17 +14,19 @@
  * Waiting: after a frame, the loop spins on recv() for spin_us before it sleeps in
  * poll(). On virtual machines whose idle vCPUs halt, waking a sleeping thread costs
  * about 100 us, more than a whole barrier; spinning is what an RDMA consumer polling its
- * completion queue does, and it burns CPU only while the lane is busy. Every pass yields the
- * CPU first, and once other threads took a part of the spin's time on this CPU (yields
- * taken, preemptions: the wall time the thread's CPU clock did not see) the spin ends, and
- * the lane waits for its next SPIN_BACKOFF frames (or batches of frames that came
- * together) without spinning: on a machine with no idle CPU, spinning takes time from the threads
- * the lane is waiting for (measured on 2 cores with the mount daemon and two targets: 4 KiB
- * write + fsync p50 807 us spinning blindly, 316 us not spinning at all; at 4 writers a
- * yield that ran another thread for under 30 us, the earlier test, still left the two
- * targets at 70% of a core each and the writers at 1.5-2.7k IOPS against 5.6-6.5k: a
- * program that runs a moment and blocks in its next request is rarely runnable at a yield,
- * but it preempts the spinning lane).
+ * completion queue does, and it burns CPU only while the lane is busy. Every pass yields
+ * the CPU first, and once another thread ran on this CPU meanwhile (the thread's
+ * involuntary context switches: a yield taken, or a preemption) the spin ends; when that
+ * happens to SPIN_GIVEN spins in a row, the lane does not spin for SPIN_BACKOFF_NS. A
+ * kernel worker now and then ends one spin; a program that wants the CPU ends them all. On
+ * a machine with no idle CPU, spinning takes time from the threads
+ * the lane is waiting for: on 2 cores with the mount daemon and two targets, a 4 KiB
+ * write + fsync p50 was 807 us spinning blindly and 316 us not spinning at all. Ending the
+ * spin when one yield took over 30 us, as before, still left the targets at 70% of a core
+ * each at 4 writers (1.5-2.7k IOPS against 5.6-6.5k): a program that runs a moment and
+ * blocks in its next request is rarely runnable at a yield, but it preempts the lane. (Not
+ * the time the thread's CPU clock missed: on our VMs every timer tick takes 10-100 us of
+ * interrupt time from whatever runs, with no other thread wanting the CPU.)
  */
 #define _GNU_SOURCE
 #include "rpmem_native.h"
@@ -35,6 +37,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -60,21 +63,16 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Waits for a next frame without spinning after the lane's CPU was wanted by another thread:
- * a machine busy once is busy for a while, and each spin on it costs a time slice. */
-#define SPIN_BACKOFF 256u
+/* No spinning for SPIN_BACKOFF_NS after SPIN_GIVEN spins in a row gave way to another
+ * thread: a machine that busy stays busy for a while. By time, not by frames: a quiet lane
+ * would otherwise stay without spinning for seconds after a kernel worker's bad moment. */
+#define SPIN_GIVEN 2u
+#define SPIN_BACKOFF_NS 50000000u
 
-/* A spin gives way once other threads had more than 1/SPIN_STOLEN_PART of its time on this
- * CPU, and at least SPIN_STOLEN_MIN_NS: a kernel worker's few microseconds now and then do
- * not count, a program's requests do. */
-#define SPIN_STOLEN_PART 8u
-#define SPIN_STOLEN_MIN_NS 20000u
-
-static uint64_t thread_cpu_ns(void)
+static long involuntary_switches(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) ? -1 : ru.ru_nivcsw;
 }
 
 /* ---- regions: published by Python, used here one frame at a time ---------------- */
@@ -196,14 +194,14 @@ static uint64_t deadline_after(int ms)
 static int recv_some(struct rpm_lane *l, char *dst, size_t cap, uint64_t deadline, int idle,
                      int spin, ssize_t *got)
 {
-    uint64_t spin_until = 0, spin_start = 0, spin_cpu = 0;
+    uint64_t spin_until = 0;
+    long switches = 0;
+    int spun = 0; /* passes of this spin so far */
     if (spin && l->spin_us > 0) {
-        if (l->spin_skip) {
-            l->spin_skip--;
-        } else {
-            spin_start = now_ns();
-            spin_cpu = thread_cpu_ns();
-            spin_until = spin_start + (uint64_t)l->spin_us * 1000u;
+        uint64_t t = now_ns();
+        if (t >= l->spin_after) {
+            spin_until = t + (uint64_t)l->spin_us * 1000u;
+            switches = involuntary_switches();
         }
     }
     for (;;) {
@@ -219,6 +217,8 @@ static int recv_some(struct rpm_lane *l, char *dst, size_t cap, uint64_t deadlin
             n = recv(l->fd, dst, cap, MSG_DONTWAIT);
         }
         if (n >= 0) {
+            if (spin_until && spun)
+                l->spin_given = 0; /* a spin that lasted until the frame came */
             *got = n;
             return 0;
         }
@@ -228,15 +228,17 @@ static int recv_some(struct rpm_lane *l, char *dst, size_t cap, uint64_t deadlin
             l->err = errno;
             return RPM_LANE_SOCKET;
         }
-        uint64_t t = spin_until ? now_ns() : 0;
-        if (t && t < spin_until) {
+        if (spin_until && now_ns() < spin_until) {
             if (__atomic_load_n(&l->stop, __ATOMIC_RELAXED))
                 return RPM_LANE_STOPPED;
             sched_yield();
-            uint64_t wall = t - spin_start, stolen = wall - (thread_cpu_ns() - spin_cpu);
-            if (stolen > SPIN_STOLEN_MIN_NS && stolen < wall && stolen * SPIN_STOLEN_PART > wall) {
+            spun++;
+            if (involuntary_switches() != switches) {
                 spin_until = 0;
-                l->spin_skip = SPIN_BACKOFF;
+                if (++l->spin_given >= SPIN_GIVEN) {
+                    l->spin_given = 0;
+                    l->spin_after = now_ns() + SPIN_BACKOFF_NS;
+                }
             }
             continue;
         }
@@ -592,9 +594,9 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
 /* One barrier's frames, built and handed to the socket without a Python object per range:
  * a WRITE per range, then its one flush. Range i's bytes are at base + src[i], or, without
  * src, at base + its remote offset (a range of the local pool, placed at the same offset). */
-long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *src, const uint64_t *pairs,
-                      uint32_t n, uint32_t key, uint64_t region_size, uint32_t first_id, int apm,
-                      uint8_t *hdrs, uint8_t *flush_list, uint64_t *total)
+long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *src,
+                      const uint64_t *pairs, uint32_t n, uint32_t key, uint64_t region_size,
+                      uint32_t first_id, int apm, uint8_t *hdrs, uint8_t *flush_list, uint64_t *total)
 {
     struct rpm_wire_hdr *h = (struct rpm_wire_hdr *)hdrs;
     uint64_t bytes = 0;

@@ -124,7 +124,8 @@ struct rpm_lane {
     int fd;
     int apm;
     int spin_us;
-    unsigned spin_skip; /* frames still to wait for without spinning (rpmem_lane.c) */
+    uint64_t spin_after; /* no spinning before this (CLOCK_MONOTONIC ns; rpmem_lane.c) */
+    unsigned spin_given; /* spins in a row that gave way to another thread */
     int idle_ms;
     int frame_ms;
     int stop;
@@ -180,8 +181,8 @@ int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n
  * bytes sent (less than *total when the socket is full), -EINVAL for a range outside the
  * region, or another -errno; with fd < 0 it only builds the frames. With sec, the frames
  * are sealed (rpm_sec_sendv): bytes sent then counts the plaintext taken. */
-long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *src, const uint64_t *pairs,
-                      uint32_t n, uint32_t key, uint64_t region_size, uint32_t first_id, int apm,
-                      uint8_t *hdrs, uint8_t *flush_list, uint64_t *total);
+long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint64_t *src,
+                      const uint64_t *pairs, uint32_t n, uint32_t key, uint64_t region_size,
+                      uint32_t first_id, int apm, uint8_t *hdrs, uint8_t *flush_list, uint64_t *total);
 
 #endif

@@ -21,17 +21,20 @@ of a busy daemon's time (sched_yield between every batch of requests, measured a
 
 On a busy machine polling would take CPU time from the very threads a request waits for
 (on our 2-core machines: the program, the target daemons, the kernel's work), so every pass
-yields the CPU first, and once other threads took a part of the poll's time on this CPU
-(the wall time this thread's CPU clock did not see: yields taken, preemptions) the poll
-ends and the next BACKOFF requests are served without one. Timing each yield, as before,
-missed a program that runs a few microseconds and blocks in its next request: it is rarely
-runnable at a yield but preempts the poller, so a loaded machine went on polling. The
-target daemon's lanes judge their spin the same way (native/rpmem_lane.c).
+yields the CPU first, and once another thread ran on this CPU meanwhile (this thread's
+involuntary context switches: a yield taken, or a preemption) the poll ends; after GIVEN
+polls in a row ended so, there is no polling for BACKOFF_S (a kernel worker now and then
+ends one poll, a program that wants the CPU ends them all). Timing each yield,
+as before, missed a program that runs a few microseconds and blocks in its next request:
+it is rarely runnable at a yield but preempts the poller, so a loaded machine went on
+polling. The target daemon's lanes judge their spin the same way (native/rpmem_lane.c says
+why not by CPU time).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 import trio
@@ -39,13 +42,14 @@ from trio.testing import wait_all_tasks_blocked
 
 DEFAULT_POLL_US = 300
 MAX_POLL_US = 1_000_000
-# Requests served without polling after a poll gave way: a machine busy once is busy for a
-# while, and every poll on it costs a time slice.
-BACKOFF = 256
-# A poll gives way once other threads had more than 1/STOLEN_PART of its time on this CPU,
-# and at least STOLEN_MIN_S: a kernel worker's few microseconds do not count.
-STOLEN_PART = 8
-STOLEN_MIN_S = 20e-6
+# No polling for BACKOFF_S after GIVEN polls in a row gave way: a machine that busy stays
+# busy for a while (the target's lanes use the same numbers).
+GIVEN = 2
+BACKOFF_S = 0.05
+
+
+def involuntary_switches() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
 class RequestPoller:
@@ -56,16 +60,15 @@ class RequestPoller:
         self._budget = budget_us / 1e6
         self._until = 0.0
         self._idle: trio.Event | None = None
-        self._skip = 0  # requests still to serve without polling
+        self._quiet_until = 0.0  # no polling before this (time.perf_counter())
+        self._given = 0  # polls in a row that gave way
         self.polls = 0  # scheduler passes spent polling, for status
         self.yielded = 0  # polls ended because another thread wanted the CPU
 
     def kick(self) -> None:
         """A request arrived: poll for the whole budget from now."""
-        if self._skip:
-            self._skip -= 1
-        elif self._budget:
-            self._until = time.perf_counter() + self._budget
+        if self._budget and (now := time.perf_counter()) >= self._quiet_until:
+            self._until = now + self._budget
             idle = self._idle
             if idle is not None:
                 self._idle = None
@@ -79,18 +82,20 @@ class RequestPoller:
             idle = self._idle = trio.Event()
             await idle.wait()
             n = 0
-            start, cpu = time.perf_counter(), time.thread_time()
+            switches = involuntary_switches()
             while time.perf_counter() < self._until:
                 await wait_all_tasks_blocked()
                 # Only an otherwise idle CPU is worth polling on: if other threads want it
                 # (the program about to send the next request, a target daemon, anything),
                 # they run now, and polling stops for a while.
                 os.sched_yield()
-                wall = time.perf_counter() - start
-                stolen = wall - (time.thread_time() - cpu)
-                if stolen > STOLEN_MIN_S and stolen * STOLEN_PART > wall:
+                if involuntary_switches() != switches:
                     self.yielded += 1
-                    self._skip = BACKOFF
+                    self._given += 1
+                    if self._given >= GIVEN:
+                        self._given, self._quiet_until = 0, time.perf_counter() + BACKOFF_S
                     break
                 n += 1
+            else:
+                self._given = 0
             self.polls += n

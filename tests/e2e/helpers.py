@@ -476,16 +476,17 @@ def pin_process(pid: int, *cpus: int) -> None:
         os.sched_setaffinity(int(tid), cpus)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User plus system CPU time ``pid`` (or its thread ``tid``) has used so far."""
+    stat = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_used_over(pid: int, seconds: float) -> float:
-    before = cpu_seconds(pid)
+def cpu_used_over(pid: int, seconds: float, tid: int | None = None) -> float:
+    before = cpu_seconds(pid, tid)
     time.sleep(seconds)
-    return cpu_seconds(pid) - before
+    return cpu_seconds(pid, tid) - before
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import cpu_used_over, cpu_wanted, pin_process
+from helpers import cpu_seconds, cpu_wanted, pin_process
 from test_target import RawConn, Running, pool_name
 
 from rpmemfs.native import crc32c
@@ -629,14 +629,15 @@ def test_a_lane_stops_spinning_on_a_cpu_another_thread_wants(scratch: Path) -> N
     lane yields, still preempts it, and that ends the spin (and the next ones)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        pytest.skip("needs two CPUs: the target's and the test's")
-    cpu, mine = cpus[0], cpus[1:]
-    t = Running(scratch, extra=["--spin-us", "1000000"])
+        pytest.skip("needs two CPUs: the lane's and everything else's")
+    cpu, rest = cpus[0], cpus[1:]
+    t = Running(scratch, extra=["--spin-us", "2000"])
     proc = t.proc.proc
     assert proc is not None
-    pin_process(proc.pid, cpu)  # the lane threads it starts inherit it
-    # This process sends the frames: on the target's CPU it would preempt the lane itself.
-    pin_process(os.getpid(), *mine)
+    # The lane thread alone on its CPU: the target's own loop, and this process sending the
+    # frames, would preempt it there themselves.
+    pin_process(proc.pid, *rest)
+    pin_process(os.getpid(), *rest)
     name = pool_name()
     try:
 
@@ -644,20 +645,33 @@ def test_a_lane_stops_spinning_on_a_cpu_another_thread_wants(scratch: Path) -> N
             async with await session(t) as s:
                 lane = s.lanes[0]
                 region = await s.create_pool(name, POOL)
-                # Alone on its CPU the lane spins after a barrier (most of the window). Enough
-                # of them first that the target's own loop waking on that CPU (to create the
-                # pool) is behind it: the lane then spins in none of its next 256 waits.
-                for i in range(600):
-                    await barrier(lane, region, [(64 * i, b"alone")])
-                alone = await trio.to_thread.run_sync(cpu_used_over, proc.pid, 0.5)
-                assert alone > 0.1, f"the lane did not spin with its CPU idle ({alone:.3f}s)"
-                await trio.sleep(0.6)  # past its spin: it sleeps in poll(2)
+                await barrier(lane, region, [(0, b"first")])  # its C thread runs now
+                tids = [tid for tid in os.listdir(f"/proc/{proc.pid}/task")
+                        if Path(f"/proc/{proc.pid}/task/{tid}/comm").read_text().strip() == "rpm_lane_serve"]
+                assert len(tids) == 1, tids
+                tid = int(tids[0])
+                os.sched_setaffinity(tid, {cpu})
+
+                async def spun(what: bytes) -> float:
+                    """The lane's CPU time over 0.5 s of a barrier every 3 ms: alone on its
+                    CPU it spins 2 ms after each."""
+                    before = cpu_seconds(proc.pid, tid)
+                    end = time.monotonic() + 0.5
+                    i = 0
+                    while time.monotonic() < end:
+                        await barrier(lane, region, [(64 * (i % 100), what)])
+                        await trio.sleep(0.003)
+                        i += 1
+                    return cpu_seconds(proc.pid, tid) - before
+
+                # A kernel thread on that CPU now and then ends a spin too, and two in a row
+                # stop the spinning for 50 ms: one window of four is enough.
+                alone = [await spun(b"alone") for _ in range(4)]
+                assert max(alone) > 0.1, f"the lane did not spin with its CPU idle ({alone}s of 0.5)"
                 with cpu_wanted(cpu):
-                    for i in range(3):
-                        await barrier(lane, region, [(64 * i, b"contended")])
-                    busy = await trio.to_thread.run_sync(cpu_used_over, proc.pid, 0.5)
-                    assert await lane.read(region, 0, 9) == b"contended"
-                assert busy < 0.1, f"the lane spun {busy:.3f}s of 0.5 on a CPU another thread wanted"
+                    busy = await spun(b"contended")
+                assert busy < 0.05, f"the lane spun {busy:.3f}s of 0.5 on a CPU another thread wanted"
+                assert await lane.read(region, 0, 9) == b"contended"
 
         run(main)
     finally:
