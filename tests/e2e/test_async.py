@@ -199,7 +199,7 @@ def test_a_stopped_replica_holds_writers_at_max_lag_then_eio_and_it_rejoins(
     not acknowledge, and fsync says EIO until it is back; then it resyncs and verify is clean."""
     pool = work_dir / "app.pool"
     mkfs_replicated(pool, targets)
-    m = mount_pool(pool, options=ASYNC)
+    m = mount_pool(pool, options=ASYNC + ",log_level=info")  # for the message below
     write_fsync_file = m.path / "stream"
     proc = targets[1].proc
     assert proc is not None
@@ -218,7 +218,9 @@ def test_a_stopped_replica_holds_writers_at_max_lag_then_eio_and_it_rejoins(
         os.close(fd)
         os.kill(proc.pid, signal.SIGCONT)
     # Writers went on until the replica lagged by max_lag, not much further, and not less.
-    assert 1 << 19 <= acked <= (1 << 20) + len(chunk), acked
+    # (Failed twice in about 40 runs with 1.9 MiB, cause unknown: the status and the daemon's
+    # log say how far each replica got and what it went through.)
+    assert 1 << 19 <= acked <= (1 << 20) + len(chunk), (acked, status_json(m.path), m.output())
     assert wait_until(lambda: [r["state"] for r in status_json(m.path)["replicas"]] == ["in-sync"] * 2, 30)
     write_fsync(m.path / "after", b"both again")
     assert wait_until(lambda: all(r["lag_bytes"] == 0 for r in status_json(m.path)["replicas"]), 10)

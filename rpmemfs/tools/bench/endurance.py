@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rpmemfs.tools.bench.stats import percentile
-from rpmemfs.tools.bench.workloads import _fsync_writer
+from rpmemfs.tools.bench.workloads import fork_fsync_writers
 from rpmemfs.tools.processes import MountProcess, TargetProcess, run_rpmemfs
 
 BLOCK = 4096
@@ -86,24 +86,7 @@ def memory_under_load(mnt: Path, pid: int, jobs: int, minutes: float, sample: fl
     """``jobs`` writers (the bench's concurrent_fsync writer) for ``minutes``; the daemon's RSS
     sampled meanwhile."""
     seconds = minutes * 60
-    start_r, start_w = os.pipe()
-    out_r, out_w = os.pipe()
-    pids = []
-    for i in range(jobs):
-        child = os.fork()
-        if child == 0:
-            code = 1
-            try:
-                os.close(start_w)
-                os.close(out_r)
-                _fsync_writer(mnt / f"job{i}.dat", seconds, start_r, out_w)
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(child)
-    os.close(start_r)
-    os.close(out_w)
-    os.close(start_w)  # go
+    pids, out_r = fork_fsync_writers([mnt / f"job{i}.dat" for i in range(jobs)], seconds)
     samples: list[tuple[float, int]] = []
     t0 = time.monotonic()
     running = set(pids)

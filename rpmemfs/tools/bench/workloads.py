@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter_ns
@@ -187,6 +187,30 @@ def _fsync_writer(path: Path, seconds: float, start_fd: int, out_fd: int) -> Non
     os.write(out_fd, f"{n} {(now - t0) / 1e9}\n".encode())
 
 
+def fork_fsync_writers(paths: Sequence[Path], seconds: float) -> tuple[list[int], int]:
+    """A forked :func:`_fsync_writer` per path, all let go at once; their pids, and the pipe's
+    read end where each writes its "ops seconds" line (read to its end once they are done)."""
+    start_r, start_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pids = []
+    for path in paths:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(start_w)
+                os.close(out_r)
+                _fsync_writer(path, seconds, start_r, out_w)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(start_r)
+    os.close(out_w)
+    os.close(start_w)  # go
+    return pids, out_r
+
+
 def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
     """1, 4 and 16 processes at once, each doing 4 KiB pwrite + fsync on its own file: IOPS
     (what the daemon's one event loop sustains when durability points come in parallel).
@@ -194,25 +218,8 @@ def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
     metrics: list[Metric] = []
     details: dict[str, float] = {}
     for jobs in CONCURRENT_JOBS:
-        start_r, start_w = os.pipe()
-        out_r, out_w = os.pipe()
-        pids = []
-        for i in range(jobs):
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    os.close(start_w)
-                    os.close(out_r)
-                    _fsync_writer(directory / f"job{jobs}-{i}.dat", scale.concurrent_seconds,
-                                  start_r, out_w)
-                    code = 0
-                finally:
-                    os._exit(code)
-            pids.append(pid)
-        os.close(start_r)
-        os.close(out_w)
-        os.close(start_w)  # go
+        pids, out_r = fork_fsync_writers([directory / f"job{jobs}-{i}.dat" for i in range(jobs)],
+                                         scale.concurrent_seconds)
         with os.fdopen(out_r) as out:
             lines = out.read().split("\n")
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1]]
