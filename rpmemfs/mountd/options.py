@@ -159,8 +159,9 @@ OPTIONS: dict[str, tuple[bool, str, str, Callable[[MountOptions, str], None]]] =
                         "link to targets started with --wire-protection none", _wire_protection),
     "takeover": (False, "takeover", "claim the replicas even from a newer primary, fencing it "
                  "(docs/failover.md)", _set("takeover", True)),
-    "noxattr": (False, "noxattr", "no extended attributes: saves the kernel's GETXATTR before each "
-                "write", _set("xattrs", False)),
+    "noxattr": (False, "noxattr", "no extended attributes: saves the GETXATTR before each write "
+                "that kernels without FUSE_HANDLE_KILLPRIV_V2 (before 5.11) send",
+                _set("xattrs", False)),
     "writeback_cache": (False, "writeback_cache", "let the kernel cache writes (off by default, by "
                         "measurement: docs/benchmarks.md)", _set("writeback_cache", True)),
     "poll_us": (True, "poll_us=US", f"poll /dev/fuse this long after a request instead of sleeping "
