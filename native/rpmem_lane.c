@@ -19,14 +19,14 @@
  * involuntary context switches: a yield taken, or a preemption) the spin ends; when that
  * happens to SPIN_GIVEN spins in a row, the lane does not spin for SPIN_BACKOFF_NS. A
  * kernel worker now and then ends one spin; a program that wants the CPU ends them all. On
- * a machine with no idle CPU, spinning takes time from the threads
- * the lane is waiting for: on 2 cores with the mount daemon and two targets, a 4 KiB
- * write + fsync p50 was 807 us spinning blindly and 316 us not spinning at all. Ending the
- * spin when one yield took over 30 us, as before, still left the targets at 70% of a core
- * each at 4 writers (1.5-2.7k IOPS against 5.6-6.5k): a program that runs a moment and
- * blocks in its next request is rarely runnable at a yield, but it preempts the lane. (Not
- * the time the thread's CPU clock missed: on our VMs every timer tick takes 10-100 us of
- * interrupt time from whatever runs, with no other thread wanting the CPU.)
+ * a machine with no idle CPU, spinning takes time from the threads the lane is waiting
+ * for: on 2 cores with the mount daemon and two targets, a 4 KiB write + fsync p50 was
+ * 807 us spinning blindly and 316 us not spinning at all. Ending the spin when one yield
+ * took over 30 us, as before, still left the targets at 70% of a core each at 4 writers
+ * (1.5-2.7k IOPS against 5.6-6.5k): a program that runs a moment and blocks in its next
+ * request is rarely runnable at a yield, but it preempts the lane. (Not the time the
+ * thread's CPU clock missed: on our VMs every timer tick takes 10-100 us of interrupt
+ * time from whatever runs, with no other thread wanting the CPU.)
  */
 #define _GNU_SOURCE
 #include "rpmem_native.h"

@@ -483,12 +483,6 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_used_over(pid: int, seconds: float, tid: int | None = None) -> float:
-    before = cpu_seconds(pid, tid)
-    time.sleep(seconds)
-    return cpu_seconds(pid, tid) - before
-
-
 @contextlib.contextmanager
 def cpu_wanted(cpu: int) -> Iterator[None]:
     """A process on ``cpu`` that runs for 20 us, sleeps for 50 and so on: what a program doing
