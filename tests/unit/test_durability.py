@@ -74,6 +74,10 @@ class Replicas:
         self.fail_post = False
         self.fail_complete: set[int] = set()  # indexes of posts whose completion fails
         self.auto = True
+        self.fast = True  # quick(): barriers come back fast enough to group points
+
+    def quick(self) -> bool:
+        return self.fast
 
     def post(self, ranges: Ranges) -> int:
         if self.fail_post:
@@ -141,9 +145,80 @@ def test_a_post_refused_for_too_few_replicas_raises() -> None:
     assert rs.posted == [[(4096, 10)]]
 
 
-def test_points_pipeline_and_end_in_log_order() -> None:
+def test_points_asked_during_a_flight_wait_and_go_out_as_one_barrier() -> None:
     src, p, rs = Source(), Persister(), Replicas()
     rs.auto = False
+    d = Durability(src, p, rs)  # type: ignore[arg-type]
+    src.change(data=[(4096, 10)])
+    ended: list[str] = []
+
+    async def main() -> None:
+        async def one(name: str) -> None:
+            await d.point()
+            ended.append(name)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            src.change(data=[(8192, 10)])  # written while the first is in flight
+            for name in ("a", "b", "c"):
+                n.start_soon(one, name)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(rs.posted) == 1  # they wait for the one in flight...
+            rs.release[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert rs.posted[1:] == [[(8192, 10)]]  # ...then one barrier takes all they wrote
+            assert ended == ["first"]
+            rs.release[1].set()
+
+    trio.run(main)
+    assert len(rs.posted) == 2
+    assert sorted(ended) == ["a", "b", "c", "first"]
+    assert src.durable == [1, 2]
+    assert d.stats.fsyncs == 4
+
+
+def test_points_covered_by_a_failed_barrier_fail_with_it() -> None:
+    src, p, rs = Source(), Persister(), Replicas()
+    rs.auto = False
+    rs.fail_complete = {1}
+    d = Durability(src, p, rs)  # type: ignore[arg-type]
+    src.change(data=[(4096, 10)])
+    failed: list[str] = []
+
+    async def main() -> None:
+        async def one(name: str) -> None:
+            try:
+                await d.point()
+            except DurabilityError:
+                failed.append(name)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            src.change(data=[(8192, 10)])
+            for name in ("a", "b"):
+                n.start_soon(one, name)
+            await trio.testing.wait_all_tasks_blocked()
+            rs.release[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            rs.release[1].set()
+
+    trio.run(main)
+    # Whichever of a and b took the changes, both fsyncs covered them: both fail.
+    assert sorted(failed) == ["a", "b"]
+    assert src.durable == [1]
+    src.change(data=[(12288, 10)])
+    rs.auto = True
+    trio.run(d.point)  # the failed barrier's ranges go with the next one
+    assert rs.posted[2] == [(8192, 10), (12288, 10)]
+
+
+@pytest.mark.parametrize("why", ["lock held", "slow replicas"])
+def test_points_that_post_behind_one_in_flight_end_in_log_order(why: str) -> None:
+    src, p, rs = Source(), Persister(), Replicas()
+    rs.auto = False
+    rs.fast = why != "slow replicas"  # then nobody waits for the one in flight
     d = Durability(src, p, rs)  # type: ignore[arg-type]
     src.change(data=[(4096, 10)])
     src.change(data=[(8192, 10)])
@@ -155,11 +230,17 @@ def test_points_pipeline_and_end_in_log_order() -> None:
             ended.append(name)
 
         async with trio.open_nursery() as n:
+            # With the lock held (a resync), both are asked for before either posts: the
+            # second finds none in flight, so it posts behind the first without waiting.
+            if rs.fast:
+                await rs.lock.acquire()
             n.start_soon(one, "first")
             await trio.testing.wait_all_tasks_blocked()
             n.start_soon(one, "second")
             await trio.testing.wait_all_tasks_blocked()
-            # the second posted while the first is still in flight
+            if rs.fast:
+                rs.lock.release()
+            await trio.testing.wait_all_tasks_blocked()
             assert len(rs.posted) == 2
             rs.release[1].set()  # the second's replies come first...
             await trio.testing.wait_all_tasks_blocked()
@@ -171,7 +252,7 @@ def test_points_pipeline_and_end_in_log_order() -> None:
     assert src.durable == [1, 2]
 
 
-def test_an_empty_point_after_a_failed_one_fails_too() -> None:
+def test_an_empty_point_posted_behind_a_failed_one_fails_too() -> None:
     src, p, rs = Source(), Persister(), Replicas()
     rs.auto = False
     rs.fail_complete = {0}
@@ -187,13 +268,50 @@ def test_an_empty_point_after_a_failed_one_fails_too() -> None:
                 errors.append(name)
 
         async with trio.open_nursery() as n:
+            await rs.lock.acquire()  # both asked for before either posts (see above)
             n.start_soon(one, "first")
             await trio.testing.wait_all_tasks_blocked()
             # nothing changed since: this fsync covers what the first one carries
             n.start_soon(one, "empty")
             await trio.testing.wait_all_tasks_blocked()
+            rs.lock.release()
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(rs.posted) == 1
             rs.release[0].set()
 
     trio.run(main)
     assert sorted(errors) == ["empty", "first"]
     assert src.durable == []
+
+
+def test_a_point_waiting_behind_a_failed_one_sends_what_it_carries_again() -> None:
+    src, p, rs = Source(), Persister(), Replicas()
+    rs.auto = False
+    rs.fail_complete = {0}
+    d = Durability(src, p, rs)  # type: ignore[arg-type]
+    src.change(data=[(4096, 10)])
+    errors: list[str] = []
+    ended: list[str] = []
+
+    async def main() -> None:
+        async def one(name: str) -> None:
+            try:
+                await d.point()
+                ended.append(name)
+            except DurabilityError:
+                errors.append(name)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            n.start_soon(one, "waiting")  # asked for while the first is in flight
+            await trio.testing.wait_all_tasks_blocked()
+            rs.release[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            # It took no change of its own, but the first's ranges, carried: they go again.
+            assert rs.posted[1:] == [[(4096, 10)]]
+            rs.release[1].set()
+
+    trio.run(main)
+    assert errors == ["first"] and ended == ["waiting"]
+    assert src.durable == [1]

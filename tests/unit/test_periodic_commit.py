@@ -44,7 +44,7 @@ def test_a_change_is_made_durable_within_the_interval_and_is_not_counted_as_an_f
     assert len(rs.posted) == 1 and c.points == 1
 
 
-def test_a_commit_posted_behind_an_fsync_in_flight_ends_after_it() -> None:
+def test_a_commit_asked_for_during_an_fsync_in_flight_goes_out_after_it() -> None:
     src, p, rs = Source(), Persister(), Replicas()
     rs.auto = False
     d = Durability(src, p, rs)  # type: ignore[arg-type]
@@ -58,14 +58,15 @@ def test_a_commit_posted_behind_an_fsync_in_flight_ends_after_it() -> None:
             await trio.testing.wait_all_tasks_blocked()
             n.start_soon(c.tick)
             await trio.testing.wait_all_tasks_blocked()
-            assert rs.posted == [[(4096, 10)], [(8192, 10)]]
-            rs.release[1].set()  # the commit's replies come first...
-            await trio.testing.wait_all_tasks_blocked()
-            assert src.durable == []  # ...but it ends after the fsync
+            assert rs.posted == [[(4096, 10)]]  # the commit waits for the fsync in flight...
             rs.release[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert rs.posted[1:] == [[(8192, 10)]] and src.durable == [1]  # ...then goes out
+            rs.release[1].set()
 
     trio.run(main)
     assert src.durable == [1, 2]
+    assert c.points == 1 and d.stats.fsyncs == 1
 
 
 def test_a_failing_commit_is_logged_once_per_episode(caplog: pytest.LogCaptureFixture) -> None:
