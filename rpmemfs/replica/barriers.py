@@ -59,6 +59,7 @@ class InFlight:
     # never sent this barrier, so it cannot be owed an acknowledgement of it.
     required: int
     posted_at: float = 0.0  # time.monotonic() when posted: a hung replica shows as its age
+    began: float = 0.0  # trio.current_time() when posted: how long it took (quick())
 
 
 class Barriers:
@@ -155,7 +156,7 @@ class Barriers:
                 else:  # posting failed: the replica is stale now
                     self._mark([replica], ranges)
         self._inflight += 1
-        flight = InFlight(ranges, nbytes, posted, self.min_replicas, time.monotonic())
+        flight = InFlight(ranges, nbytes, posted, self.min_replicas, time.monotonic(), trio.current_time())
         if posted:
             self._waiting.add(flight)
         return flight
@@ -204,7 +205,7 @@ class Barriers:
             self._mark([p.replica for p in flight.posted if p.replica not in acked], flight.ranges)
             self._waiting.discard(flight)
             if flight.posted:
-                self._took.append(time.monotonic() - flight.posted_at)
+                self._took.append(trio.current_time() - flight.began)
             self._inflight -= 1
             if not self._inflight:
                 self._drained.set()

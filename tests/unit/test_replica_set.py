@@ -24,6 +24,7 @@ from rpmemfs.pool.layout import BLOCK, Header
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica import ReplicaError, ReplicaSet, ReplicaSpec
 from rpmemfs.replica import resync as resync_module
+from rpmemfs.replica.barriers import QUICK_OF
 from rpmemfs.replica.replica_set import DEFAULT_RECONNECT, MAX_RECONNECT, PROBE_INTERVAL
 
 TIMEOUT = 2.0
@@ -164,6 +165,31 @@ def test_slow_replies_within_the_timeout_are_waited_for() -> None:
         assert trio.current_time() - t0 == pytest.approx(1.5)
         assert states(rs) == ["in-sync"] * 2
         assert rig.replica_holds(1, ranges)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_barriers_are_quick_until_the_fastest_of_the_last_ones_took_over_2_ms() -> None:
+    """quick() decides whether points wait for the one in flight (group commit) or post
+    behind it (durability/barrier.py): a slow link turns it off, a fast one back on."""
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        ranges = [data(rig.hdr, 1)]
+        assert rs.quick()  # nothing timed yet
+        await rs.barrier(ranges)
+        assert rs.quick()
+        rig.targets[1].delay(0.5)
+        for _ in range(QUICK_OF - 1):
+            await rs.barrier(ranges)
+        assert rs.quick()  # the fast one is still among the last QUICK_OF
+        await rs.barrier(ranges)
+        assert not rs.quick()
+        rig.targets[1].delay(0)
+        await rs.barrier(ranges)
+        assert rs.quick()
         await rs.aclose()
 
     run(main)
