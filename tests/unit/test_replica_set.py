@@ -195,6 +195,27 @@ def test_barriers_are_quick_until_the_fastest_of_the_last_ones_took_over_2_ms() 
     run(main)
 
 
+def test_a_barrier_whose_wait_is_cancelled_fails_every_replica_it_still_waited_for() -> None:
+    """The replicas are awaited one after another: a cancellation while the first is awaited
+    must fail the second too (its barrier may be half sent), as a task each would have."""
+
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        for t in rig.targets:
+            t.delay(1.0)
+        ranges = [data(rig.hdr, 1)]
+        rig.scribble(ranges)
+        flight = rs.post(ranges)
+        with trio.move_on_after(0.5):
+            await rs.complete(flight)
+        assert states(rs) == ["stale"] * 2
+        assert all("cancelled while in flight" in (r.last_error or "") for r in rs.replicas)
+        await rs.aclose()
+
+    run(main)
+
+
 def test_pipelined_barriers_answered_out_of_order_all_complete() -> None:
     """Replies to later barriers arrive before those to earlier ones (each fsync waits for
     its own): every barrier completes, nobody falls out of sync."""
