@@ -145,173 +145,138 @@ def test_a_post_refused_for_too_few_replicas_raises() -> None:
     assert rs.posted == [[(4096, 10)]]
 
 
+class Stalled:
+    """A durability point over stand-ins whose barriers complete only when the test releases
+    them (``rs.release[i].set()``), and points started by name: which ended, which failed."""
+
+    def __init__(self, fail_complete: set[int] | None = None, fast: bool = True) -> None:
+        self.src, self.p, self.rs = Source(), Persister(), Replicas()
+        self.rs.auto = False
+        self.rs.fast = fast
+        self.rs.fail_complete = fail_complete or set()
+        self.d = Durability(self.src, self.p, self.rs)  # type: ignore[arg-type]
+        self.ended: list[str] = []
+        self.failed: list[str] = []
+
+    async def point(self, name: str) -> None:
+        try:
+            await self.d.point()
+        except DurabilityError:
+            self.failed.append(name)
+        else:
+            self.ended.append(name)
+
+    async def start(self, n: trio.Nursery, *names: str) -> None:
+        for name in names:
+            n.start_soon(self.point, name)
+            await trio.testing.wait_all_tasks_blocked()
+
+    async def release(self, i: int) -> None:
+        self.rs.release[i].set()
+        await trio.testing.wait_all_tasks_blocked()
+
+
 def test_points_asked_during_a_flight_wait_and_go_out_as_one_barrier() -> None:
-    src, p, rs = Source(), Persister(), Replicas()
-    rs.auto = False
-    d = Durability(src, p, rs)  # type: ignore[arg-type]
-    src.change(data=[(4096, 10)])
-    ended: list[str] = []
+    t = Stalled()
+    t.src.change(data=[(4096, 10)])
 
     async def main() -> None:
-        async def one(name: str) -> None:
-            await d.point()
-            ended.append(name)
-
         async with trio.open_nursery() as n:
-            n.start_soon(one, "first")
-            await trio.testing.wait_all_tasks_blocked()
-            src.change(data=[(8192, 10)])  # written while the first is in flight
-            for name in ("a", "b", "c"):
-                n.start_soon(one, name)
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(rs.posted) == 1  # they wait for the one in flight...
-            rs.release[0].set()
-            await trio.testing.wait_all_tasks_blocked()
-            assert rs.posted[1:] == [[(8192, 10)]]  # ...then one barrier takes all they wrote
-            assert ended == ["first"]
-            rs.release[1].set()
+            await t.start(n, "first")
+            t.src.change(data=[(8192, 10)])  # written while the first is in flight
+            await t.start(n, "a", "b", "c")
+            assert len(t.rs.posted) == 1  # they wait for the one in flight...
+            await t.release(0)
+            assert t.rs.posted[1:] == [[(8192, 10)]]  # ...then one barrier takes all they wrote
+            assert t.ended == ["first"]
+            await t.release(1)
 
     trio.run(main)
-    assert len(rs.posted) == 2
-    assert sorted(ended) == ["a", "b", "c", "first"]
-    assert src.durable == [1, 2]
-    assert d.stats.fsyncs == 4
+    assert len(t.rs.posted) == 2
+    assert sorted(t.ended) == ["a", "b", "c", "first"]
+    assert t.src.durable == [1, 2]
+    assert t.d.stats.fsyncs == 4
 
 
 def test_points_covered_by_a_failed_barrier_fail_with_it() -> None:
-    src, p, rs = Source(), Persister(), Replicas()
-    rs.auto = False
-    rs.fail_complete = {1}
-    d = Durability(src, p, rs)  # type: ignore[arg-type]
-    src.change(data=[(4096, 10)])
-    failed: list[str] = []
+    t = Stalled(fail_complete={1})
+    t.src.change(data=[(4096, 10)])
 
     async def main() -> None:
-        async def one(name: str) -> None:
-            try:
-                await d.point()
-            except DurabilityError:
-                failed.append(name)
-
         async with trio.open_nursery() as n:
-            n.start_soon(one, "first")
-            await trio.testing.wait_all_tasks_blocked()
-            src.change(data=[(8192, 10)])
-            for name in ("a", "b"):
-                n.start_soon(one, name)
-            await trio.testing.wait_all_tasks_blocked()
-            rs.release[0].set()
-            await trio.testing.wait_all_tasks_blocked()
-            rs.release[1].set()
+            await t.start(n, "first")
+            t.src.change(data=[(8192, 10)])
+            await t.start(n, "a", "b")
+            await t.release(0)
+            await t.release(1)
 
     trio.run(main)
     # Whichever of a and b took the changes, both fsyncs covered them: both fail.
-    assert sorted(failed) == ["a", "b"]
-    assert src.durable == [1]
-    src.change(data=[(12288, 10)])
-    rs.auto = True
-    trio.run(d.point)  # the failed barrier's ranges go with the next one
-    assert rs.posted[2] == [(8192, 10), (12288, 10)]
+    assert sorted(t.failed) == ["a", "b"]
+    assert t.src.durable == [1]
+    t.src.change(data=[(12288, 10)])
+    t.rs.auto = True
+    trio.run(t.d.point)  # the failed barrier's ranges go with the next one
+    assert t.rs.posted[2] == [(8192, 10), (12288, 10)]
 
 
 @pytest.mark.parametrize("why", ["lock held", "slow replicas"])
 def test_points_that_post_behind_one_in_flight_end_in_log_order(why: str) -> None:
-    src, p, rs = Source(), Persister(), Replicas()
-    rs.auto = False
-    rs.fast = why != "slow replicas"  # then nobody waits for the one in flight
-    d = Durability(src, p, rs)  # type: ignore[arg-type]
-    src.change(data=[(4096, 10)])
-    src.change(data=[(8192, 10)])
-    ended: list[str] = []
+    t = Stalled(fast=why != "slow replicas")  # slow: nobody waits for the one in flight
+    t.src.change(data=[(4096, 10)])
+    t.src.change(data=[(8192, 10)])
 
     async def main() -> None:
-        async def one(name: str) -> None:
-            await d.point()
-            ended.append(name)
-
         async with trio.open_nursery() as n:
             # With the lock held (a resync), both are asked for before either posts: the
             # second finds none in flight, so it posts behind the first without waiting.
-            if rs.fast:
-                await rs.lock.acquire()
-            n.start_soon(one, "first")
-            await trio.testing.wait_all_tasks_blocked()
-            n.start_soon(one, "second")
-            await trio.testing.wait_all_tasks_blocked()
-            if rs.fast:
-                rs.lock.release()
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(rs.posted) == 2
-            rs.release[1].set()  # the second's replies come first...
-            await trio.testing.wait_all_tasks_blocked()
-            assert ended == [] and src.durable == []  # ...but it waits for the first
-            rs.release[0].set()
+            if t.rs.fast:
+                await t.rs.lock.acquire()
+            await t.start(n, "first", "second")
+            if t.rs.fast:
+                t.rs.lock.release()
+                await trio.testing.wait_all_tasks_blocked()
+            assert len(t.rs.posted) == 2
+            await t.release(1)  # the second's replies come first...
+            assert t.ended == [] and t.src.durable == []  # ...but it waits for the first
+            await t.release(0)
 
     trio.run(main)
-    assert ended == ["first", "second"]
-    assert src.durable == [1, 2]
+    assert t.ended == ["first", "second"]
+    assert t.src.durable == [1, 2]
 
 
 def test_an_empty_point_posted_behind_a_failed_one_fails_too() -> None:
-    src, p, rs = Source(), Persister(), Replicas()
-    rs.auto = False
-    rs.fail_complete = {0}
-    d = Durability(src, p, rs)  # type: ignore[arg-type]
-    src.change(data=[(4096, 10)])
-    errors: list[str] = []
+    t = Stalled(fail_complete={0})
+    t.src.change(data=[(4096, 10)])
 
     async def main() -> None:
-        async def one(name: str) -> None:
-            try:
-                await d.point()
-            except DurabilityError:
-                errors.append(name)
-
         async with trio.open_nursery() as n:
-            await rs.lock.acquire()  # both asked for before either posts (see above)
-            n.start_soon(one, "first")
+            await t.rs.lock.acquire()  # both asked for before either posts (see above)
+            # nothing changed since the first: the second fsync covers what the first carries
+            await t.start(n, "first", "empty")
+            t.rs.lock.release()
             await trio.testing.wait_all_tasks_blocked()
-            # nothing changed since: this fsync covers what the first one carries
-            n.start_soon(one, "empty")
-            await trio.testing.wait_all_tasks_blocked()
-            rs.lock.release()
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(rs.posted) == 1
-            rs.release[0].set()
+            assert len(t.rs.posted) == 1
+            await t.release(0)
 
     trio.run(main)
-    assert sorted(errors) == ["empty", "first"]
-    assert src.durable == []
+    assert sorted(t.failed) == ["empty", "first"]
+    assert t.src.durable == []
 
 
 def test_a_point_waiting_behind_a_failed_one_sends_what_it_carries_again() -> None:
-    src, p, rs = Source(), Persister(), Replicas()
-    rs.auto = False
-    rs.fail_complete = {0}
-    d = Durability(src, p, rs)  # type: ignore[arg-type]
-    src.change(data=[(4096, 10)])
-    errors: list[str] = []
-    ended: list[str] = []
+    t = Stalled(fail_complete={0})
+    t.src.change(data=[(4096, 10)])
 
     async def main() -> None:
-        async def one(name: str) -> None:
-            try:
-                await d.point()
-                ended.append(name)
-            except DurabilityError:
-                errors.append(name)
-
         async with trio.open_nursery() as n:
-            n.start_soon(one, "first")
-            await trio.testing.wait_all_tasks_blocked()
-            n.start_soon(one, "waiting")  # asked for while the first is in flight
-            await trio.testing.wait_all_tasks_blocked()
-            rs.release[0].set()
-            await trio.testing.wait_all_tasks_blocked()
+            await t.start(n, "first", "waiting")  # the second asked for while the first is in flight
+            await t.release(0)
             # It took no change of its own, but the first's ranges, carried: they go again.
-            assert rs.posted[1:] == [[(4096, 10)]]
-            rs.release[1].set()
+            assert t.rs.posted[1:] == [[(4096, 10)]]
+            await t.release(1)
 
     trio.run(main)
-    assert errors == ["first"] and ended == ["waiting"]
-    assert src.durable == [1]
+    assert t.failed == ["first"] and t.ended == ["waiting"]
+    assert t.src.durable == [1]
