@@ -223,16 +223,17 @@ class Replica:
         # per fsync, fail_after's context manager costs twice the scope itself.
         if deadline is None:
             deadline = trio.current_time() + timeout
-        with trio.CancelScope(deadline=deadline) as scope:
-            try:
-                await posted.lane.wait(posted.ticket)
-            except TransportError as exc:
-                self.fail(str(exc))
-                return False
-            except trio.Cancelled:
-                if not scope.cancel_called:
-                    self.fail(CANCELLED_IN_FLIGHT)
-                raise
+        try:
+            with trio.CancelScope(deadline=deadline) as scope:
+                try:
+                    await posted.lane.wait(posted.ticket)
+                except TransportError as exc:
+                    self.fail(str(exc))
+                    return False
+        except trio.Cancelled:
+            # Not this deadline's (the scope would have caught that): the caller is cancelled.
+            self.fail(CANCELLED_IN_FLIGHT)
+            raise
         if scope.cancelled_caught:
             self.fail(f"barrier not acknowledged within {timeout:g}s")
             return False
