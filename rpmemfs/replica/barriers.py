@@ -12,7 +12,6 @@ This is the hot path of every fsync, so it is kept on its own: `Barriers` is the
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -58,8 +57,9 @@ class InFlight:
     # The policy when it was posted: a replica that joins (and raises "all") meanwhile was
     # never sent this barrier, so it cannot be owed an acknowledgement of it.
     required: int
-    posted_at: float = 0.0  # time.monotonic() when posted: a hung replica shows as its age
-    began: float = 0.0  # trio.current_time() when posted: how long it took (quick())
+    # trio.current_time() when posted: a hung replica shows as its age, and how long each
+    # took decides quick()
+    posted_at: float = 0.0
 
 
 class Barriers:
@@ -156,7 +156,7 @@ class Barriers:
                 else:  # posting failed: the replica is stale now
                     self._mark([replica], ranges)
         self._inflight += 1
-        flight = InFlight(ranges, nbytes, posted, self.min_replicas, time.monotonic(), trio.current_time())
+        flight = InFlight(ranges, nbytes, posted, self.min_replicas, trio.current_time())
         if posted:
             self._waiting.add(flight)
         return flight
@@ -205,7 +205,7 @@ class Barriers:
             self._mark([p.replica for p in flight.posted if p.replica not in acked], flight.ranges)
             self._waiting.discard(flight)
             if flight.posted:
-                self._took.append(trio.current_time() - flight.began)
+                self._took.append(trio.current_time() - flight.posted_at)
             self._inflight -= 1
             if not self._inflight:
                 self._drained.set()
@@ -237,7 +237,7 @@ class Barriers:
         at once (status, metrics)."""
         if not self._waiting:
             return 0.0
-        return time.monotonic() - min(f.posted_at for f in self._waiting)
+        return trio.current_time() - min(f.posted_at for f in self._waiting)
 
     async def drain(self) -> None:
         """Wait until no posted barrier is in flight (call with the barrier lock held)."""
