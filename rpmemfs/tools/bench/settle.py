@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import time
 
+from rpmemfs.tools.bench import cpu
+
 IDLE = 0.8  # the fraction of all CPUs' time spent idle that counts as quiet
 WINDOW = 0.25  # seconds per look
 TIMEOUT = 30.0
 
 
-def _idle_and_total() -> tuple[int, int]:
-    with open("/proc/stat", encoding="ascii") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return ticks[3] + ticks[4], sum(ticks)  # idle + iowait, everything
-
-
 def idle_fraction(seconds: float) -> float:
     """The fraction of the machine's CPU time spent idle over the next ``seconds``."""
-    idle0, total0 = _idle_and_total()
+    before = cpu.sample()
     time.sleep(seconds)
-    idle1, total1 = _idle_and_total()
-    return (idle1 - idle0) / max(total1 - total0, 1)
+    return cpu.idle_share(before, cpu.sample())
 
 
 def wait_until_quiet(idle: float = IDLE, window: float = WINDOW, timeout: float = TIMEOUT) -> float | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter_ns
 
+from rpmemfs.tools.bench import cpu
 from rpmemfs.tools.bench.stats import Metric, WorkloadResult, latency_result
 
 KIB = 1024
@@ -217,17 +218,27 @@ def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
     Plain fork, not multiprocessing: the bench runs each workload in a daemonic process."""
     metrics: list[Metric] = []
     details: dict[str, float] = {}
+    cores = os.cpu_count() or 1
     for jobs in CONCURRENT_JOBS:
+        before = cpu.sample()
         pids, out_r = fork_fsync_writers([directory / f"job{jobs}-{i}.dat" for i in range(jobs)],
                                          scale.concurrent_seconds)
         with os.fdopen(out_r) as out:
             lines = out.read().split("\n")
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1]]
+        after = cpu.sample()
         results = [(int(a), float(b)) for a, b in (ln.split() for ln in lines if ln.strip())]
         if failed or len(results) != jobs:
             raise RuntimeError(f"{len(failed)} of {jobs} concurrent_fsync jobs failed")
+        ops = sum(n for n, _ in results)
         metrics.append(Metric(f"iops_{jobs}j", sum(n / secs for n, secs in results), "IOPS", "higher"))
-        details[f"ops_{jobs}j"] = float(sum(n for n, _ in results))
+        # What one write + fsync cost the whole machine, and the rate its cores would allow at
+        # that cost: a goal above that ceiling needs less CPU per operation, not more threads.
+        per_op = cpu.busy_seconds(before, after) * 1e6 / max(ops, 1)
+        metrics.append(Metric(f"cpu_per_op_{jobs}j", per_op, "µs", "lower"))
+        metrics.append(Metric(f"ceiling_{jobs}j", cores * 1e6 / per_op if per_op else 0.0, "IOPS", "higher"))
+        details[f"ops_{jobs}j"] = float(ops)
+        details[f"busy_{jobs}j"] = 1.0 - cpu.idle_share(before, after)
     return WorkloadResult(metrics=metrics, details=details)
 
 
