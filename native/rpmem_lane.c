@@ -35,7 +35,6 @@
 #include <poll.h>
 #include <sched.h>
 #include <string.h>
-#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -560,36 +559,6 @@ int rpm_lane_serve(struct rpm_lane *l)
 }
 
 /* ---- initiator side -------------------------------------------------------------------- */
-
-int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n, int spin_us,
-                     int stop_fd)
-{
-    uint64_t until = now_ns() + (uint64_t)(spin_us > 0 ? spin_us : 0) * 1000u;
-    int done = 0;
-    struct pollfd stop = {.fd = stop_fd, .events = POLLIN};
-    for (;;) {
-        for (int i = 0; i < n; i++) {
-            if (ready[i])
-                continue;
-            int avail = 0;
-            if (ioctl(fds[i], FIONREAD, &avail) < 0 || (uint32_t)avail >= want[i]) {
-                ready[i] = 1; /* an error is for the caller's read to report */
-                done++;
-            }
-        }
-        if (done == n || now_ns() >= until)
-            return done;
-        /* The caller's thread has other work waiting (the mount daemon's next FUSE request):
-         * spinning on would hold it up for the whole budget, so the caller goes on to that
-         * and collects these replies when they arrive. */
-        if (stop_fd >= 0 && poll(&stop, 1, 0) > 0)
-            return done;
-        /* Unlike a lane's spin for a next frame that may never come, the replies are due:
-         * giving way to another thread here (on a shared machine, maybe the target that
-         * answers) does not end the wait. */
-        sched_yield();
-    }
-}
 
 /* One barrier's frames, built and handed to the socket without a Python object per range:
  * a WRITE per range, then its one flush. Range i's bytes are at base + src[i], or, without

@@ -167,11 +167,6 @@ void rpm_count_persist(struct rpm_counters *c, uint64_t ns, uint64_t bytes);
 /* Serve frames until something only Python handles: never returns 0. */
 int rpm_lane_serve(struct rpm_lane *lane);
 
-/* Initiator: spin until each fds[i] has want[i] bytes to read or spin_us passed, or stop_fd
- * (when >= 0) is readable; ready must be zero on entry. Returns how many are ready. */
-int rpm_spin_replies(const int *fds, const uint32_t *want, uint8_t *ready, int n, int spin_us,
-                     int stop_fd);
-
 /* Initiator: build one barrier's frames and send what the socket takes now. n WRITEs of
  * the ranges in pairs (offset, length) of the remote region key (ids first_id ...), range
  * i's bytes at base + src[i] (a copy) or, with src NULL, at base + its offset (the local

@@ -50,18 +50,6 @@ TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
-def session_fd() -> int:
-    """This process's /dev/fuse descriptor after pyfuse3.init() (-1 when there is none):
-    readable when a request waits. pyfuse3 does not expose it, and a daemon serves one mount."""
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
-                return int(name)
-        except OSError:  # closed meanwhile (listdir's own descriptor)
-            continue
-    return -1
-
-
 def errors(fn: F) -> F:
     """Turn filesystem errors into FUSE replies; anything unexpected becomes EIO, logged.
     Every request through here also restarts the daemon's polling budget."""

@@ -18,7 +18,7 @@ import trio
 
 from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError, StaleTable
 from rpmemfs.fs.filesystem import Filesystem
-from rpmemfs.fuse import Operations, session_fd
+from rpmemfs.fuse import Operations
 from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.membership import Membership
@@ -182,10 +182,6 @@ class Mounted:
         except RuntimeError as e:
             raise MountError(f"FUSE mount at {self.mountpoint} failed: {e}") from None
         self._mounted = True
-        if self.replicas is not None:
-            # A barrier polls for its replies only while no FUSE request waits (the next
-            # writer's fsync, say): serving it meanwhile keeps several barriers in flight.
-            self.replicas.spin_stop_fd = session_fd()
         # Page faults on first stores into a fresh pool cost as much as the copy itself;
         # taking them in the background keeps the mount itself quick for big pools.
         self._populated = threading.Event()

@@ -23,12 +23,7 @@ from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.replica import CANCELLED_IN_FLIGHT, IN_SYNC, Posted, Replica
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, LocalPool
-from rpmemfs.transport.spin import spin
 
-# The polling budget of a barrier before it sleeps on its replies (see spin_budget).
-DEFAULT_SPIN_US = 200
-SPIN_BYTES_PER_US = 1000  # a loopback replica takes about 1 us per KB on top
-MAX_SPIN_US = 2000
 # Points wait for the one in flight and go out together (group commit, durability/barrier.py)
 # while the fastest of the last QUICK_OF barriers came back within QUICK_S: waiting then
 # costs a writer less than another barrier costs the daemon. Over a slow link (a distant
@@ -81,10 +76,6 @@ class Barriers:
         self.local_buf = local_buf
         self.min_replicas = min_replicas
         self.timeout = timeout
-        self.spin_us = DEFAULT_SPIN_US
-        # A descriptor whose readiness means this thread has other work (the mount sets its
-        # /dev/fuse): a barrier stops polling for its replies then (see spin()).
-        self.spin_stop_fd = -1
         self.syncmap = syncmap
         self.lock = lock or trio.Lock()
         self._inflight = 0
@@ -167,9 +158,10 @@ class Barriers:
         try:
             if not flight.ranges:
                 return
-            # Poll all the completions together first: the common barrier completes here
-            # without one scheduling round trip or wake-up.
-            spin([p.ticket for p in flight.posted], self.spin_budget(flight.nbytes), self.spin_stop_fd)
+            # Replies already here are taken without a trip through the scheduler. No polling
+            # for the others: the mount's /dev/fuse poller keeps this thread awake after each
+            # request (poller.py), which catches them as well, and a poll here held up the
+            # requests already read (docs/benchmarks.md, "fifth round").
             pending: list[Posted] = []
             for p in flight.posted:
                 done = p.replica.poll(p)
@@ -245,10 +237,3 @@ class Barriers:
             await self.backlog_drained()
         while self._inflight:
             await self._drained.wait()
-
-    def spin_budget(self, nbytes: int) -> int:
-        """How long (us) a barrier of ``nbytes`` polls before it sleeps: about what a
-        healthy loopback replica takes, so only a slow or distant one costs a wake-up."""
-        if self.spin_us <= 0:
-            return 0
-        return min(self.spin_us + nbytes // SPIN_BYTES_PER_US, MAX_SPIN_US)

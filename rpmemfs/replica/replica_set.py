@@ -19,14 +19,7 @@ import trio
 
 from rpmemfs.native import ffi
 from rpmemfs.pool.syncmap import SyncMap
-from rpmemfs.replica.barriers import (
-    DEFAULT_SPIN_US,
-    MAX_SPIN_US,
-    SPIN_BYTES_PER_US,
-    Barriers,
-    InFlight,
-    ReplicaError,
-)
+from rpmemfs.replica.barriers import Barriers, InFlight, ReplicaError
 from rpmemfs.replica.connect import Connect, ReplicaUnusable, bring_up, open_session, show_uuid
 from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.live_verify import VERIFY_ROUNDS, repair_live, verify_live
@@ -43,13 +36,10 @@ from rpmemfs.transport.probe import accepts_connections
 __all__ = [
     "COPY_BATCH",
     "DEFAULT_RECONNECT",
-    "DEFAULT_SPIN_US",
     "LAST_PASS_BYTES",
     "MAX_PASSES",
     "MAX_RECONNECT",
-    "MAX_SPIN_US",
     "PROBE_INTERVAL",
-    "SPIN_BYTES_PER_US",
     "VERIFY_ROUNDS",
     "InFlight",
     "ReplicaError",
