@@ -27,8 +27,13 @@ barrier with the record that allowed it; measured, points under load are already
 the filesystem, one batch per round of the event loop, so merging found nothing to merge.)
 
 Each in-sync replica has a :class:`Follower`: a sender that posts the batches behind its last
-one (at once from the point itself when nothing is in flight to it), at most ``WINDOW``
-barriers in flight, and a completer that takes their acknowledgements in order. A replica's
+one (at once from the point itself when nothing is in flight to it), and a completer that
+takes their acknowledgements in order. A sender that finds several batches queued posts up
+to ``GROUP`` of them in one go, each still a barrier of its own, and hands them to the
+completer together, which releases them and wakes the writers once for the group: under
+load the replicas fell behind by the whole of max_lag because each batch cost the daemon its
+own hops between tasks (2 replicas, 16 writers: 11-12.5k IOPS, 16.6-16.9k in groups of 16).
+At most ``WINDOW`` groups are in flight. A replica's
 **lag** is the bytes of the batches it has not acknowledged, and the age of the oldest of them.
 A replica that fails (an error, a timeout, or more than ``max_lag`` behind when the policy does
 not wait for it) is marked in the sync map for every batch it has not
@@ -58,7 +63,8 @@ Ranges = list[tuple[int, int]]
 # burst of that size costs no writer a wait; it is also the most memory the copies take
 # and the most acknowledged data a failover may lose, both modest for a database volume.
 DEFAULT_MAX_LAG = 64 << 20
-WINDOW = 32  # barriers in flight per replica (what they hold is bounded by max_lag)
+WINDOW = 32  # groups of barriers in flight per replica (what they hold is bounded by max_lag)
+GROUP = 16  # queued batches a sender posts in one go, each a barrier of its own
 
 
 @dataclass(eq=False)
@@ -77,6 +83,9 @@ class Batch:
         return len(self.data)
 
 
+Posted_ = list[tuple[Posted, Batch]]  # barriers posted together, in order
+
+
 @dataclass(eq=False)
 class Follower:
     """One in-sync replica's place in the backlog."""
@@ -90,7 +99,7 @@ class Follower:
     wake: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     gone: bool = False
-    send: trio.MemorySendChannel[tuple[Posted, Batch]] | None = None  # to its completer
+    send: trio.MemorySendChannel[Posted_] | None = None  # to its completer
 
 
 class Backlog:
@@ -266,7 +275,7 @@ class Backlog:
             return
         f.scope = trio.CancelScope()
         with f.scope:
-            send, recv = trio.open_memory_channel[tuple[Posted, Batch]](WINDOW - 1)
+            send, recv = trio.open_memory_channel[Posted_](WINDOW - 1)
             f.send = send
             try:
                 async with trio.open_nursery() as nursery:
@@ -275,7 +284,7 @@ class Backlog:
             finally:
                 f.send = None
 
-    async def _post(self, f: Follower, send: trio.MemorySendChannel[tuple[Posted, Batch]]) -> None:
+    async def _post(self, f: Follower, send: trio.MemorySendChannel[Posted_]) -> None:
         while not f.gone:
             if f.next_post >= self.count:
                 await f.wake.wait()
@@ -286,34 +295,38 @@ class Backlog:
                 return
             await send.send(item)
 
-    def _post_now(self, f: Follower) -> tuple[Posted, Batch] | None:
-        """Post the follower's next batch as a barrier of its own; None when its replica cannot
-        take it (it is dropped then)."""
+    def _post_now(self, f: Follower) -> Posted_ | None:
+        """Post the follower's next batches (up to GROUP of those queued), each as a barrier
+        of its own; None when its replica cannot take them (it is dropped then)."""
         replica = f.replica
         if replica.state is not IN_SYNC or replica.joins != f.joins or replica not in self.rs.replicas:
             self._drop(f)
             return None
-        b = self._batch(f.next_post)
-        assert b is not None
-        posted = replica.post_copies(b.data, b.ranges)
-        if posted is None:  # the replica is stale now
-            self._drop(f)
-            return None
-        f.next_post += 1
-        return posted, b
-
-    async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[tuple[Posted, Batch]]) -> None:
-        replica = f.replica
-        async for posted, last in recv:
-            done = replica.poll(posted)
-            if done is None:
-                done = await replica.finish(posted, self.rs.timeout)
-            if not done or f.gone:
+        group: Posted_ = []
+        while f.next_post < self.count and len(group) < GROUP:
+            b = self._batch(f.next_post)
+            assert b is not None
+            posted = replica.post_copies(b.data, b.ranges)
+            if posted is None:  # the replica is stale now
                 self._drop(f)
-                return
-            f.next_ack = last.n + 1
-            f.acked_bytes = last.end
-            f.acked_wall = last.wall
+                return None
+            f.next_post += 1
+            group.append((posted, b))
+        return group
+
+    async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[Posted_]) -> None:
+        replica = f.replica
+        async for group in recv:
+            for posted, batch in group:
+                done = replica.poll(posted)
+                if done is None:
+                    done = await replica.finish(posted, self.rs.timeout)
+                if not done or f.gone:
+                    self._drop(f)
+                    return
+                f.next_ack = batch.n + 1
+                f.acked_bytes = batch.end
+                f.acked_wall = batch.wall
             self._release()
 
     # ---------------------------------------------------------------- failures

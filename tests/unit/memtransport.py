@@ -11,7 +11,7 @@ Each ``MemTarget`` can be told to misbehave, at any time:
 - ``hang()``: accept requests and never answer them (nor place them), until ``resume()``;
 - ``delay(seconds)`` / ``reply_delays([...])``: answer each flush that much later (one delay
   per flush, in posting order: a shorter delay for a later barrier answers it first);
-- ``fail_flushes(n, reason)``: answer the next n flushes with an error;
+- ``fail_flushes(n, reason, after)``: answer the n flushes after the next ``after`` with an error;
 - ``drop()``: close every connection now, and refuse new ones until ``restart()``.
 
 Time is trio's, so a test can run under trio.testing.MockClock and a hang costs nothing.
@@ -73,7 +73,7 @@ class MemTarget:
         self._resumed = trio.Event()  # set (and replaced) whenever a hang ends
         self._delay = 0.0
         self._delays: deque[float] = deque()
-        self._errors: deque[str] = deque()
+        self._errors: deque[str | None] = deque()  # None: a flush that succeeds
 
     # ---------------------------------------------------------------- misbehaving
 
@@ -91,8 +91,9 @@ class MemTarget:
     def reply_delays(self, seconds: Sequence[float]) -> None:
         self._delays.extend(seconds)
 
-    def fail_flushes(self, n: int = 1, reason: str = "persist failed: Input/output error") -> None:
-        self._errors.extend([reason] * n)
+    def fail_flushes(self, n: int = 1, reason: str = "persist failed: Input/output error",
+                     after: int = 0) -> None:
+        self._errors.extend([None] * after + [reason] * n)
 
     def drop(self) -> None:
         """The target goes away: its connections break, new ones are refused."""

@@ -17,6 +17,7 @@ import trio
 from test_replica_set import NAME, Rig, data, run, until
 
 from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError
+from rpmemfs.durability.backlog import GROUP
 from rpmemfs.pool.layout import BLOCK
 from rpmemfs.pool.position import Position, decode, encode
 from rpmemfs.replica import ReplicaError, ReplicaSet
@@ -183,6 +184,34 @@ def test_a_replica_that_fails_is_marked_for_everything_it_missed_queued_included
             await backlog.drained()
             assert target.writes(mark) == after
             nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_barrier_failing_inside_a_group_marks_that_batch_and_the_later_ones_only() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        backlog = Backlog(rs)
+        # Queued before the senders start, so each replica's sender posts them as one group.
+        points = [[data(rig.hdr, 20 * (i + 1))] for i in range(6)]
+        assert len(points) <= GROUP
+        for p in points:
+            rig.scribble(p)
+            await take(rs, backlog, p)
+        rig.targets[1].fail_flushes(1, after=2)  # its third barrier fails
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            await backlog.drained()
+            nursery.cancel_scope.cancel()
+        assert rs.replicas[0].state == "in-sync" and rs.replicas[1].state != "in-sync"
+        assert all(rig.replica_holds(0, p) for p in points)
+        # What it acknowledged is not resent; the failed batch and those after it are.
+        acked, missed = points[:2], points[2:]
+        assert all(rig.replica_holds(1, p) for p in acked)
+        assert rig.syncmap.count(1) == nchunks(rig, [r for p in missed for r in p])
+        assert rig.syncmap.count(0) == 0
         await rs.aclose()
 
     run(main)
