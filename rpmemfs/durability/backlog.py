@@ -33,10 +33,11 @@ to ``GROUP`` of them in one go, each still a barrier of its own, and hands them 
 completer together, which releases them and wakes the writers once for the group: under
 load the replicas fell behind by the whole of max_lag because each batch cost the daemon its
 own hops between tasks (2 replicas, 16 writers: 11-12.5k IOPS, 16.6-16.9k in groups of 16).
-At most ``WINDOW`` groups are in flight. A replica's
-**lag** is the bytes of the batches it has not acknowledged, and the age of the oldest of them.
-A replica that fails (an error, a timeout, or more than ``max_lag`` behind when the policy does
-not wait for it) is marked in the sync map for every batch it has not
+At most ``WINDOW`` groups are in flight.
+
+A replica's **lag** is the bytes of the batches it has not acknowledged, and the age of the
+oldest of them. A replica that fails (an error, a timeout, or more than ``max_lag`` behind
+when the policy does not wait for it) is marked in the sync map for every batch it has not
 acknowledged, the queued ones included, so its resync sends it just that; it never gets a
 batch from before it rejoined (the resync sent it newer bytes).
 
@@ -83,7 +84,7 @@ class Batch:
         return len(self.data)
 
 
-Posted_ = list[tuple[Posted, Batch]]  # barriers posted together, in order
+PostedGroup = list[tuple[Posted, Batch]]  # barriers posted together, in order
 
 
 @dataclass(eq=False)
@@ -99,7 +100,7 @@ class Follower:
     wake: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     gone: bool = False
-    send: trio.MemorySendChannel[Posted_] | None = None  # to its completer
+    send: trio.MemorySendChannel[PostedGroup] | None = None  # to its completer
 
 
 class Backlog:
@@ -275,7 +276,7 @@ class Backlog:
             return
         f.scope = trio.CancelScope()
         with f.scope:
-            send, recv = trio.open_memory_channel[Posted_](WINDOW - 1)
+            send, recv = trio.open_memory_channel[PostedGroup](WINDOW - 1)
             f.send = send
             try:
                 async with trio.open_nursery() as nursery:
@@ -284,7 +285,7 @@ class Backlog:
             finally:
                 f.send = None
 
-    async def _post(self, f: Follower, send: trio.MemorySendChannel[Posted_]) -> None:
+    async def _post(self, f: Follower, send: trio.MemorySendChannel[PostedGroup]) -> None:
         while not f.gone:
             if f.next_post >= self.count:
                 await f.wake.wait()
@@ -295,14 +296,14 @@ class Backlog:
                 return
             await send.send(item)
 
-    def _post_now(self, f: Follower) -> Posted_ | None:
+    def _post_now(self, f: Follower) -> PostedGroup | None:
         """Post the follower's next batches (up to GROUP of those queued), each as a barrier
         of its own; None when its replica cannot take them (it is dropped then)."""
         replica = f.replica
         if replica.state is not IN_SYNC or replica.joins != f.joins or replica not in self.rs.replicas:
             self._drop(f)
             return None
-        group: Posted_ = []
+        group: PostedGroup = []
         while f.next_post < self.count and len(group) < GROUP:
             b = self._batch(f.next_post)
             assert b is not None
@@ -314,7 +315,7 @@ class Backlog:
             group.append((posted, b))
         return group
 
-    async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[Posted_]) -> None:
+    async def _complete(self, f: Follower, recv: trio.MemoryReceiveChannel[PostedGroup]) -> None:
         replica = f.replica
         async for group in recv:
             for posted, batch in group:

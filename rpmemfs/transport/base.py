@@ -96,15 +96,8 @@ def unpack(data: bytes, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, me
 
 
 class Ticket(Protocol):
-    """A barrier posted without waiting: what to poll, and how much its completion holds."""
-
-    @property
-    def fd(self) -> int:
-        """A descriptor that turns readable when the completion may be there."""
-
-    @property
-    def want(self) -> int:
-        """Bytes the completion needs to be readable on ``fd``."""
+    """A barrier posted without waiting; only the lane that posted it can poll or wait for it
+    (its ``poll`` and ``wait``)."""
 
 
 class Lane(Protocol):

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from rpmemfs.native import ffi, lib
-from rpmemfs.transport.wire import RECORD_MAX, RECORD_OVERHEAD, Cipher
+from rpmemfs.transport.wire import RECORD_MAX, Cipher
 
 Buffer = bytes | bytearray | memoryview
 
@@ -43,8 +43,6 @@ class SockIO:
         self._budget = math.inf
         self._armed = False
         self._sec: Any = None  # the record layer's state (struct rpm_sec *), once protected
-        # Bytes a reply of n plaintext bytes takes on the wire (one record).
-        self.overhead = 0
 
     def protect(self, cipher: Cipher, tx_key: bytes, rx_key: bytes) -> None:
         """From now on every byte each way is sealed into records under these keys."""
@@ -52,7 +50,6 @@ class SockIO:
         if sec == ffi.NULL:
             raise OSError(errno.ENOMEM, f"cannot set up {cipher.name} records")
         self._sec = ffi.gc(sec, lib.rpm_sec_free)
-        self.overhead = RECORD_OVERHEAD
 
     @property
     def sec(self) -> Any:

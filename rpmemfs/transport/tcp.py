@@ -66,8 +66,6 @@ class TcpTicket:
     """A posted barrier: the flush's request id and what is left to send."""
 
     id: int
-    fd: int
-    want: int  # bytes of the flush's reply
     rest: list[Buffer]
     locked: bool  # the connection's send lock is held until ``rest`` is sent
     done: bool = False
@@ -171,15 +169,12 @@ class TcpLane:
         ranges = self._write_frames(region, writes, bufs)
         if method == "apm":
             id_ = self._flush_read_frame(region, bufs)
-            want = HEADER_SIZE + FLUSH_READ_SIZE
         else:
             id_ = self._flush_send_frame(region, ranges, bufs)
-            want = HEADER_SIZE
-        want += self._conn.io.overhead
         self.stats.batches += 1
         rest, calls, locked = self._conn.send_nowait(bufs)
         self.stats.sendmsgs += calls
-        return TcpTicket(id_, self._conn.io.fileno(), want, rest, locked)
+        return TcpTicket(id_, rest, locked)
 
     def post_barrier_local(
         self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
@@ -247,8 +242,7 @@ class TcpLane:
         self.stats.sendmsgs += 1
         self.stats.writes += n
         self.stats.bytes += sum(k for _, k in ranges)
-        want = (HEADER_SIZE + FLUSH_READ_SIZE if apm else HEADER_SIZE) + conn.io.overhead
-        return TcpTicket(first + n, conn.io.fileno(), want, rest, locked)
+        return TcpTicket(first + n, rest, locked)
 
     def poll(self, ticket: Ticket) -> bool:
         assert isinstance(ticket, TcpTicket)

@@ -81,8 +81,6 @@ class VerbsTicket:
     keep: list[Any] = field(default_factory=list)  # memory its work requests point into
     done: bool = False
     error: TransportError | None = None
-    fd: int = -1
-    want: int = 0  # nothing is "readable" on a completion channel: spin() returns at once
 
 
 @dataclass(frozen=True)
@@ -401,7 +399,7 @@ class VerbsLane:
                  method: Method | None) -> VerbsTicket:
         self._check()
         method = method or region.method
-        ticket = VerbsTicket(flush=True, fd=self._qp.fd)
+        ticket = VerbsTicket(flush=True)
         if method == "apm":
             if region.size < FLUSH_READ_SIZE:
                 raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")

@@ -158,8 +158,6 @@ class MemTicket:
 
     reply_at: float
     error: str | None = None
-    fd: int = -1
-    want: int = 1
     done: bool = False
 
 
