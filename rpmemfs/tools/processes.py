@@ -208,9 +208,10 @@ class TargetProcess:
     def log_text(self) -> str:
         if self._log is None:
             return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        # pread, not seek + read: the daemon's stderr shares this file's offset, and a line it
+        # wrote between a seek(0) and the read landed over the start of its log.
+        fd = self._log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def close(self) -> None:
         self.kill()
