@@ -427,12 +427,9 @@ class Mounted:
                 try:
                     await pyfuse3.main()
                 except OSError as e:
-                    # Once detached, the kernel aborts the connection when the last file open
-                    # there is closed; a read racing that gets ECONNABORTED before ending.watch
-                    # ends the loop. That is the end being waited for, not a failure.
+                    # Detached, the last close aborts the connection: a read beating ending.watch.
                     if not (ending.detached and e.errno == errno.ECONNABORTED):
                         raise
-                    log.info("%s: the kernel closed the detached mount's connection", self.mountpoint)
                 finally:
                     stop_metrics()
                 nursery.cancel_scope.cancel()
