@@ -427,7 +427,7 @@ class Mounted:
                 try:
                     await pyfuse3.main()
                 except OSError as e:
-                    # Detached, the last close aborts the connection: a read beating ending.watch.
+                    # Once detached, the last close aborts the connection: ECONNABORTED is the end.
                     if not (ending.detached and e.errno == errno.ECONNABORTED):
                         raise
                 finally:
