@@ -137,6 +137,12 @@ class TargetProcess:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise SpawnError("the target daemon was not started")
+        return self.proc.pid
+
     def start(self, timeout: float = 20.0) -> str:
         """Start it and wait for its listening line; returns HOST:PORT. SpawnError if it fails."""
         if self.running:
@@ -312,6 +318,12 @@ class MountProcess:
     @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise SpawnError(f"{self.what} was not started")
+        return self.proc.pid
 
     def log_text(self) -> str:
         """Everything the daemon wrote (when it writes to a log file)."""

@@ -1,14 +1,20 @@
 """What the bench reports of the machine's CPU time (rpmemfs/tools/bench/cpu.py), and
-concurrent_fsync's CPU per operation and ceiling, measured on a plain directory."""
+concurrent_fsync's CPU per operation, ceiling and split by process, measured on a plain
+directory (stand-in processes play the daemons)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from rpmemfs.tools.bench import cpu
-from rpmemfs.tools.bench.workloads import CONCURRENT_JOBS, Scale, concurrent_fsync
+from rpmemfs.tools.bench.workloads import CONCURRENT_JOBS, Scale, concurrent_fsync, seq_write
 
 TICK = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -27,7 +33,7 @@ def test_the_machine_counts_at_least_the_cpu_time_this_process_spent() -> None:
 
 def test_concurrent_fsync_reports_cpu_per_operation_within_what_the_machine_has(tmp_path: Path) -> None:
     start = time.monotonic()
-    result = concurrent_fsync(tmp_path, Scale(concurrent_seconds=0.2))
+    result = concurrent_fsync(tmp_path, Scale(concurrent_seconds=0.2), {})
     elapsed = time.monotonic() - start
     metrics = {m.name: m for m in result.metrics}
     cores = os.cpu_count() or 1
@@ -38,6 +44,65 @@ def test_concurrent_fsync_reports_cpu_per_operation_within_what_the_machine_has(
         assert iops > 0 and per_op > 0
         assert 0 < result.details[f"busy_{jobs}j"] <= 1
         assert metrics[f"ceiling_{jobs}j"].value == cores * 1e6 / per_op
+        # Nothing serves a plain directory: all of it is the programs' (and the kernel's).
+        assert metrics[f"cpu_daemon_user_{jobs}j"].value == 0
+        assert metrics[f"cpu_targets_{jobs}j"].value == 0
+        assert metrics[f"cpu_other_{jobs}j"].value == per_op
         busy += per_op * result.details[f"ops_{jobs}j"] / 1e6
     # All the CPU time it counted fits in what every core could give while it ran.
     assert busy <= cores * (elapsed + 4 * TICK)
+
+
+# Stand-ins that burn CPU the whole time: one in user space, one in the kernel (reading
+# /dev/zero into a buffer it already has is the kernel clearing memory).
+USER_SPIN = "while True: pass"
+KERNEL_SPIN = "f = open('/dev/zero', 'rb', buffering=0)\nb = bytearray(1 << 20)\nwhile True: f.readinto(b)"
+
+
+@pytest.fixture
+def spinners() -> Iterator[dict[str, int]]:
+    procs = {role: subprocess.Popen([sys.executable, "-c", code])
+             for role, code in (("daemon", USER_SPIN), ("target0", KERNEL_SPIN))}
+    try:
+        yield {role: p.pid for role, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_concurrent_fsync_splits_each_operations_cpu_over_the_processes_that_serve_it(
+        tmp_path: Path, spinners: dict[str, int]) -> None:
+    before = cpu.processes_times(spinners)
+    result = concurrent_fsync(tmp_path, Scale(concurrent_seconds=0.2), spinners)
+    after = cpu.processes_times(spinners)
+    metrics = {m.name: m.value for m in result.metrics}
+    daemon = targets = 0.0
+    for jobs in CONCURRENT_JOBS:
+        user, kernel = metrics[f"cpu_daemon_user_{jobs}j"], metrics[f"cpu_daemon_kernel_{jobs}j"]
+        spent, other = metrics[f"cpu_targets_{jobs}j"], metrics[f"cpu_other_{jobs}j"]
+        # The user-space spinner is the "daemon": its time is user time; the other one counts
+        # as a target.
+        assert user > kernel
+        assert spent > 0
+        assert other >= 0
+        assert user + kernel + spent + other >= metrics[f"cpu_per_op_{jobs}j"] - 1e-6
+        ops = result.details[f"ops_{jobs}j"]
+        daemon += (user + kernel) * ops / 1e6
+        targets += spent * ops / 1e6
+    # What the phases counted is (nearly) all the spinners spent during the call, never more.
+    for counted, role in ((daemon, "daemon"), (targets, "target0")):
+        total = after[role].user + after[role].kernel - before[role].user - before[role].kernel
+        assert 0.6 * total - 6 * TICK <= counted <= total + 6 * TICK
+
+
+def test_seq_write_reports_cpu_per_megabyte_split_the_same_way(
+        tmp_path: Path, spinners: dict[str, int]) -> None:
+    alone = {m.name: m.value for m in seq_write(tmp_path, Scale(seq_bytes=8 << 20), {}).metrics}
+    assert alone["cpu_per_mb"] > 0
+    assert alone["cpu_daemon_user_mb"] == alone["cpu_targets_mb"] == 0
+    assert alone["cpu_other_mb"] == alone["cpu_per_mb"]
+    served = {m.name: m.value for m in seq_write(tmp_path, Scale(seq_bytes=64 << 20), spinners).metrics}
+    parts = ("cpu_daemon_user_mb", "cpu_daemon_kernel_mb", "cpu_targets_mb", "cpu_other_mb")
+    assert all(served[p] >= 0 for p in parts)
+    assert sum(served[p] for p in parts) >= served["cpu_per_mb"] - 1e-6

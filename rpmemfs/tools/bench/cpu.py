@@ -10,6 +10,7 @@ that a goal can be checked against that ceiling in the same run (docs/benchmarks
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -34,3 +35,22 @@ def busy_seconds(before: Sample, after: Sample) -> float:
 def idle_share(before: Sample, after: Sample) -> float:
     """The fraction of the machine's CPU time between two samples that was idle."""
     return (after.idle - before.idle) / max(after.total - before.total, 1)
+
+
+@dataclass(frozen=True)
+class ProcessTimes:
+    user: float  # seconds
+    kernel: float  # seconds
+
+
+def process_times(pid: int) -> ProcessTimes:
+    """A process's CPU time so far, all its threads (/proc/PID/stat: utime, stime)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        # The command name may hold spaces and parentheses: fields count from its end.
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return ProcessTimes(int(fields[11]) / tick, int(fields[12]) / tick)
+
+
+def processes_times(pids: Mapping[str, int]) -> dict[str, ProcessTimes]:
+    return {role: process_times(pid) for role, pid in pids.items()}

@@ -115,7 +115,7 @@ def _measure_or_record(workload: Workload, target: Target, scale: Scale, timeout
                        label: str, status: TargetStatus) -> WorkloadResult | str:
     """The measurement, or the error to report in its place."""
     try:
-        return _measure(workload, target.path, scale, timeout, label)
+        return _measure(workload, target, scale, timeout, label)
     except Timeout as exc:
         # A hung filesystem stays hung: stop sending it work.
         status.available = False
@@ -128,14 +128,14 @@ def _measure_or_record(workload: Workload, target: Target, scale: Scale, timeout
         return str(exc).splitlines()[0] + log_tail(target.log)
 
 
-def _measure(workload: Workload, directory: Path, scale: Scale, timeout: float,
+def _measure(workload: Workload, target: Target, scale: Scale, timeout: float,
              label: str) -> WorkloadResult:
     note(f"{label} ...")
 
     def job() -> WorkloadResult:
-        scratch = directory / workload.name
+        scratch = target.path / workload.name
         scratch.mkdir()
-        measured = workload.run(scratch, scale)
+        measured = workload.run(scratch, scale, target.processes)
         # Inside the time limit too: deleting through a broken filesystem can hang.
         shutil.rmtree(scratch)
         return measured

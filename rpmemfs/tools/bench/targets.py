@@ -14,9 +14,9 @@ the stock pass-through with xattrs pays the extra GETXATTR (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -109,6 +109,9 @@ class Target:
     path: Path
     # The daemon's stdout+stderr, quoted when something fails on this target.
     log: Path | None = None
+    # The processes that serve path, by role ("daemon", "target0", ...): concurrent_fsync
+    # says how much of an operation's CPU time each role took.
+    processes: Mapping[str, int] = field(default_factory=dict)
 
 
 TargetFactory = Callable[[Path, str], AbstractContextManager[Target]]
@@ -120,17 +123,17 @@ def mkfs(pool: Path, size: str, replicas: tuple[str, ...] = (), plaintext: bool 
 
 
 @contextmanager
-def _daemon(daemon: MountProcess) -> Iterator[Path]:
-    """The daemon's filesystem, mounted until the block ends (also when it fails)."""
+def _daemon(daemon: MountProcess) -> Iterator[MountProcess]:
+    """The daemon, its filesystem mounted until the block ends (also when it fails)."""
     daemon.start(MOUNT_TIMEOUT)
     try:
-        yield daemon.mountpoint
+        yield daemon
     finally:
         daemon.stop()
 
 
 def rpmemfs_daemon(pool: Path, mountpoint: Path, log: Path,
-                   options: str = RPMEMFS_OPTIONS[RPMEMFS]) -> AbstractContextManager[Path]:
+                   options: str = RPMEMFS_OPTIONS[RPMEMFS]) -> AbstractContextManager[MountProcess]:
     """rpmemfs mounted in the foreground (-f), so we own the daemon's lifetime."""
     return _daemon(MountProcess.rpmemfs(pool, mountpoint, options, log_path=log))
 
@@ -142,8 +145,8 @@ def rpmemfs_target(name: str, workdir: Path, pool_size: str) -> Iterator[Target]
     pool = workdir / f"{name}.pool"
     log = workdir / f"{name}.log"
     mkfs(pool, pool_size)
-    with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log, RPMEMFS_OPTIONS[name]) as mnt:
-        yield Target(mnt, log)
+    with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log, RPMEMFS_OPTIONS[name]) as daemon:
+        yield Target(daemon.mountpoint, log, {"daemon": daemon.pid})
 
 
 @contextmanager
@@ -158,6 +161,7 @@ def replicated_target(name: str, workdir: Path, pool_size: str) -> Iterator[Targ
     log = workdir / f"{name}.log"
     with ExitStack() as stack:
         specs: list[str] = []
+        pids: dict[str, int] = {}
         for i, (pmem, persist) in enumerate(REPLICA_DAEMONS[name]):
             pool_dir = workdir / f"{name}-target{i}"
             pool_dir.mkdir()
@@ -171,10 +175,11 @@ def replicated_target(name: str, workdir: Path, pool_size: str) -> Iterator[Targ
             except SpawnError as exc:
                 raise SpawnError(f"{name}: target daemon {i} did not start: {exc}") from None
             specs.append(f"{address}/{name}-r{i}")
+            pids[f"target{i}"] = daemon.pid
         mkfs(pool, pool_size, tuple(specs), plaintext=name in PLAINTEXT)
         with rpmemfs_daemon(pool, workdir / f"mnt-{name}", log,
-                            RPMEMFS_OPTIONS[name]) as mnt:
-            yield Target(mnt, log)
+                            RPMEMFS_OPTIONS[name]) as mount:
+            yield Target(mount.mountpoint, log, {"daemon": mount.pid, **pids})
 
 
 @contextmanager
@@ -186,8 +191,8 @@ def passthrough_target(name: str, workdir: Path, pool_size: str) -> Iterator[Tar
     log = workdir / f"{name}.log"
     extra = ["--xattr"] if name == PASSTHROUGH_XATTR else []
     argv = python_module("rpmemfs.tools.bench.passthrough", *extra, source, mountpoint)
-    with _daemon(MountProcess(argv, mountpoint, log_path=log, what=name)) as mnt:
-        yield Target(mnt, log)
+    with _daemon(MountProcess(argv, mountpoint, log_path=log, what=name)) as daemon:
+        yield Target(daemon.mountpoint, log, {"daemon": daemon.pid})
 
 
 @contextmanager

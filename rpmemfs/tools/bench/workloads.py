@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter_ns
@@ -41,11 +41,15 @@ class Scale:
         return cls(ops=200, warmup=10, seq_bytes=32 * MIB, small_files=200, concurrent_seconds=0.5)
 
 
+# What serves the directory a workload runs in, by role ("daemon", "target0", ...): pid.
+Processes = Mapping[str, int]
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     summary: str
-    run: Callable[[Path, Scale], WorkloadResult]
+    run: Callable[[Path, Scale, Processes], WorkloadResult]
 
 
 def _preallocated(path: Path, size: int) -> int:
@@ -64,7 +68,7 @@ def _random_offsets(count: int, size: int) -> list[int]:
     return [rng.randrange(pages) * BLOCK for _ in range(count)]
 
 
-def overwrite_fsync(directory: Path, scale: Scale) -> WorkloadResult:
+def overwrite_fsync(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     fd = _preallocated(directory / "overwrite.dat", MAPPED_FILE_SIZE)
     buf = os.urandom(BLOCK)
     samples: list[int] = []
@@ -81,7 +85,7 @@ def overwrite_fsync(directory: Path, scale: Scale) -> WorkloadResult:
     return latency_result(samples)
 
 
-def append_fdatasync(directory: Path, scale: Scale) -> WorkloadResult:
+def append_fdatasync(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     # O_APPEND as a log writer would do it: the filesystem picks the offset.
     fd = os.open(directory / "append.log",
                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
@@ -100,25 +104,33 @@ def append_fdatasync(directory: Path, scale: Scale) -> WorkloadResult:
     return latency_result(samples)
 
 
-def seq_write(directory: Path, scale: Scale) -> WorkloadResult:
+def seq_write(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     fd = os.open(directory / "seq.dat", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     buf = os.urandom(SEQ_CHUNK)
     try:
+        served_before, before = cpu.processes_times(processes), cpu.sample()
         t0 = perf_counter_ns()
         for off in range(0, scale.seq_bytes, SEQ_CHUNK):
             os.pwrite(fd, buf, off)
         os.fsync(fd)
         elapsed_ns = perf_counter_ns() - t0
+        after, served_after = cpu.sample(), cpu.processes_times(processes)
     finally:
         os.close(fd)
     seconds = elapsed_ns / 1e9
+    megabytes = scale.seq_bytes / 1e6
+    # CPU per MB, split as concurrent_fsync's per operation: what the goal's budget is
+    # checked against (docs/benchmarks.md).
+    per_mb = cpu.busy_seconds(before, after) * 1e6 / megabytes
     return WorkloadResult(
-        metrics=[Metric("throughput", scale.seq_bytes / 1e6 / seconds, "MB/s", "higher")],
+        metrics=[Metric("throughput", megabytes / seconds, "MB/s", "higher"),
+                 Metric("cpu_per_mb", per_mb, "µs", "lower"),
+                 *_cpu_split("mb", per_mb, megabytes, served_before, served_after)],
         details={"bytes": float(scale.seq_bytes), "seconds": seconds},
     )
 
 
-def small_files(directory: Path, scale: Scale) -> WorkloadResult:
+def small_files(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     target = directory / "small"
     target.mkdir()
     buf = os.urandom(BLOCK)
@@ -142,7 +154,7 @@ def small_files(directory: Path, scale: Scale) -> WorkloadResult:
     )
 
 
-def mmap_msync(directory: Path, scale: Scale) -> WorkloadResult:
+def mmap_msync(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     fd = _preallocated(directory / "mapped.dat", MAPPED_FILE_SIZE)
     buf = os.urandom(BLOCK)
     samples: list[int] = []
@@ -212,7 +224,7 @@ def fork_fsync_writers(paths: Sequence[Path], seconds: float) -> tuple[list[int]
     return pids, out_r
 
 
-def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
+def concurrent_fsync(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     """1, 4 and 16 processes at once, each doing 4 KiB pwrite + fsync on its own file: IOPS
     (what the daemon's one event loop sustains when durability points come in parallel).
     Plain fork, not multiprocessing: the bench runs each workload in a daemonic process."""
@@ -220,6 +232,7 @@ def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
     details: dict[str, float] = {}
     cores = os.cpu_count() or 1
     for jobs in CONCURRENT_JOBS:
+        served_before = cpu.processes_times(processes)
         before = cpu.sample()
         pids, out_r = fork_fsync_writers([directory / f"job{jobs}-{i}.dat" for i in range(jobs)],
                                          scale.concurrent_seconds)
@@ -227,6 +240,7 @@ def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
             lines = out.read().split("\n")
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1]]
         after = cpu.sample()
+        served_after = cpu.processes_times(processes)
         results = [(int(a), float(b)) for a, b in (ln.split() for ln in lines if ln.strip())]
         if failed or len(results) != jobs:
             raise RuntimeError(f"{len(failed)} of {jobs} concurrent_fsync jobs failed")
@@ -237,9 +251,36 @@ def concurrent_fsync(directory: Path, scale: Scale) -> WorkloadResult:
         per_op = cpu.busy_seconds(before, after) * 1e6 / max(ops, 1)
         metrics.append(Metric(f"cpu_per_op_{jobs}j", per_op, "µs", "lower"))
         metrics.append(Metric(f"ceiling_{jobs}j", cores * 1e6 / per_op if per_op else 0.0, "IOPS", "higher"))
+        metrics += _cpu_split(f"{jobs}j", per_op, ops, served_before, served_after)
         details[f"ops_{jobs}j"] = float(ops)
         details[f"busy_{jobs}j"] = 1.0 - cpu.idle_share(before, after)
     return WorkloadResult(metrics=metrics, details=details)
+
+
+def _cpu_split(suffix: str, per_unit: float, units: float, before: dict[str, cpu.ProcessTimes],
+               after: dict[str, cpu.ProcessTimes]) -> list[Metric]:
+    """Where the CPU time of one unit of work (an operation, a MB) went, of the machine's
+    ``per_unit`` µs: the daemon's Python and C (user) and the kernel's work it asked for
+    (FUSE, TCP, waits), the target daemons together, and the rest (the programs and the
+    kernel's work for them, anything else running): what a goal's budget is checked against
+    (docs/benchmarks.md). Zero for a role the target does not have."""
+    def us(seconds: float) -> float:
+        return seconds * 1e6 / units if units else 0.0
+
+    daemon_user = daemon_kernel = targets = 0.0
+    for role, t in after.items():
+        user, kernel = t.user - before[role].user, t.kernel - before[role].kernel
+        if role == "daemon":
+            daemon_user, daemon_kernel = us(user), us(kernel)
+        else:
+            targets += us(user + kernel)
+    # Per-process and machine times are sampled in ticks apart: the rest can come out a tick
+    # below zero on a short run.
+    other = max(per_unit - daemon_user - daemon_kernel - targets, 0.0)
+    return [Metric(f"cpu_daemon_user_{suffix}", daemon_user, "µs", "lower"),
+            Metric(f"cpu_daemon_kernel_{suffix}", daemon_kernel, "µs", "lower"),
+            Metric(f"cpu_targets_{suffix}", targets, "µs", "lower"),
+            Metric(f"cpu_other_{suffix}", other, "µs", "lower")]
 
 
 WORKLOADS: dict[str, Workload] = {
