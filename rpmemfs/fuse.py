@@ -344,7 +344,7 @@ class Operations(pyfuse3.Operations):
     def handles_open(self) -> int:
         """Files and directories open on the mount now: a mount detached while in use is
         served until none is left (rpmemfs/mountd/unmount.py)."""
-        return len(self._dirs) + sum(node.opens for node in self.fs.inodes.values())
+        return len(self._dirs) + self.fs.open_files
 
     @errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:

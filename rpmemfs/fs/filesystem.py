@@ -90,6 +90,7 @@ class Filesystem:
         self.log = Log(buf, hdr, found)
         self.inodes = index.inodes
         self.next_ino = index.next_ino
+        self.open_files = 0  # the sum of every inode's opens, kept as they change
         self.data_off = hdr.data_off
         self.alloc = Allocator(hdr.data_blocks)
         self.alloc.mark_blocks(node.blocks for node in self.inodes.values() if node.blocks)
@@ -809,6 +810,7 @@ class Filesystem:
     def opened(self, ino: int) -> Inode:
         node = self.node(ino)
         node.opens += 1
+        self.open_files += 1
         return node
 
     def released(self, ino: int) -> None:
@@ -816,6 +818,7 @@ class Filesystem:
         if node is None:
             return
         node.opens -= 1
+        self.open_files -= 1
         self._drop_if_gone(node)
 
     def forget(self, ino: int, n: int) -> None:

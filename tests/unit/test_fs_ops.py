@@ -338,6 +338,22 @@ def test_unlinked_open_file_lives_until_released(fs: Filesystem) -> None:
     assert fs.statfs()["bfree"] == free + 3
 
 
+def test_open_files_counts_every_open_until_released(fs: Filesystem) -> None:
+    """What a detached mount waits on (fuse.handles_open): kept as files open and close,
+    unlinked ones included, so it is never a walk over every inode."""
+    a, b = mkfile(fs, b"a", b"1"), mkfile(fs, b"b", b"2")
+    for ino in (a, a, b):
+        fs.opened(ino)
+    assert fs.open_files == 3
+    fs.unlink(ROOT, b"b")
+    fs.released(a)
+    assert fs.open_files == 2 == sum(node.opens for node in fs.inodes.values())
+    fs.released(b)  # the last handle of an unlinked file: the inode goes
+    fs.released(a)
+    assert b not in fs.inodes
+    assert fs.open_files == 0
+
+
 def test_orphans_are_reclaimed_on_reopen(fs: Filesystem) -> None:
     """A file unlinked while open when the node crashed is freed by the next mount."""
     ino = mkfile(fs, b"f", b"x" * (5 * BLOCK))
