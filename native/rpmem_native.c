@@ -109,13 +109,19 @@ void rpm_flush_ranges(const char *base, const uint64_t *pairs, size_t npairs)
 }
 
 void rpm_persist_then_store(char *base, const uint64_t *pairs, size_t npairs,
-                            uint64_t rec_off, const void *rec, size_t len)
+                            uint64_t rec_off, const void *rec, size_t len,
+                            uint64_t stamp_off, const void *stamp, size_t stamp_len)
 {
     rpm_flush_ranges(base, pairs, npairs);
     rpm_drain();
     if (len) {
         memcpy(base + rec_off, rec, len);
         flusher(base + rec_off, len);
+        rpm_drain();
+    }
+    if (stamp_len) {
+        memcpy(base + stamp_off, stamp, stamp_len);
+        flusher(base + stamp_off, stamp_len);
         rpm_drain();
     }
 }

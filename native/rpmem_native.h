@@ -28,10 +28,13 @@ void rpm_drain(void);
 void rpm_flush_ranges(const char *base, const uint64_t *pairs, size_t npairs);
 
 /* A commit: write back the npairs data ranges, fence, then store len bytes of
- * rec at base + rec_off, write them back and fence. The record can reach the
- * media only after the data it describes, whatever the cache evicts when. */
+ * rec at base + rec_off, write them back and fence; then the same for the
+ * stamp_len bytes of stamp at base + stamp_off (none when stamp_len is 0). The
+ * record can reach the media only after the data it describes, and the stamp
+ * only after the record, whatever the cache evicts when. */
 void rpm_persist_then_store(char *base, const uint64_t *pairs, size_t npairs,
-                            uint64_t rec_off, const void *rec, size_t len);
+                            uint64_t rec_off, const void *rec, size_t len,
+                            uint64_t stamp_off, const void *stamp, size_t stamp_len);
 
 /* Copy with non-temporal stores; dst is in the persistence domain on return. */
 void rpm_memcpy_nt(void *dst, const void *src, size_t len);

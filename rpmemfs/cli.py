@@ -387,11 +387,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
           f"{result['chunks_compared']} chunks verified by checksum, {result['seconds']:.2f} s")
     b = result.get("behind")
     if b is not None and b["records"] == 0:
-        print("  the source held the latest point of every replica reached (replication=async)")
+        print("  the source held the latest point of every replica reached")
     elif b is not None and b["records"] is not None:
+        # Sync mode stamps its points too (for crash recovery): a replica ahead there holds
+        # the point in flight when the primary died, which min_replicas=all never acknowledged.
         print(f"  the source was {b['records']} log records ({b['seconds']:.3f} s of the old primary's "
-              f"history) behind {b['most_advanced']}, the most advanced replica reached "
-              "(replication=async): those changes are lost")
+              f"history) behind {b['most_advanced']}, the most advanced replica reached: those "
+              "changes are lost (acknowledged ones only with replication=async, or min_replicas "
+              "below the number of replicas)")
     print(f"  next: rpmemfs mount {result['pool']} MOUNTPOINT")
     return 0
 

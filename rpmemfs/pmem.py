@@ -191,29 +191,36 @@ class PoolMapping:
             self._persist_pairs(b)
 
     def persist_then_store(
-        self, first: Iterable[tuple[int, int]], offset: int, data: BytesLike
+        self, first: Iterable[tuple[int, int]], offset: int, data: BytesLike,
+        then: tuple[int, bytes] | None = None,
     ) -> None:
-        """Make ``first`` durable, then store ``data`` at ``offset`` and make it durable.
+        """Make ``first`` durable, then store ``data`` at ``offset`` and make it durable, then
+        the same for ``then`` (offset, bytes), when given.
 
-        The stored bytes cannot reach the media before ``first`` does, because they are
-        stored only after ``first`` is fenced: the way to commit a log record.
+        Each stored part cannot reach the media before what comes before it does, because it
+        is stored only after that is fenced: the way to commit a log record (and then say
+        that the point it ends has ended).
         """
         pairs = self._pairs(first)
         n = data.nbytes if isinstance(data, memoryview) else len(data)
-        self._pairs(((offset, n),))
+        stamp_off, stamp = then if then is not None else (0, b"")
+        self._pairs(((offset, n), (stamp_off, len(stamp))))
         if self.readonly:
             raise PmemError(f"pool {self.path} is mapped read-only")
         if self.is_pmem:
             lib.rpm_persist_then_store(
-                self._base, pairs, len(pairs) >> 1, offset, ffi.from_buffer(data), n
+                self._base, pairs, len(pairs) >> 1, offset, ffi.from_buffer(data), n,
+                stamp_off, stamp, len(stamp),
             )
             self.flushes += 1
             return
         if pairs:
             self._persist_pairs(pairs)
-        if n:
-            self._mm[offset : offset + n] = data
-            self._persist_pairs([offset, n])
+        for at, part in ((offset, data), (stamp_off, stamp)):
+            size = part.nbytes if isinstance(part, memoryview) else len(part)
+            if size:
+                self._mm[at : at + size] = part
+                self._persist_pairs([at, size])
 
     def populate(self, stop: threading.Event, chunk: int = 32 << 20) -> int:
         """Fault the whole mapping in for writing, chunk by chunk, until done or `stop` is set.

@@ -72,6 +72,7 @@ class Changes(Protocol):
     log: tuple[int, bytes] | None  # the staged log record: its offset and bytes
     seq: int  # the last log record covered
     tail: int  # the log position after it
+    stamp: tuple[int, bytes] | None  # with a log record: its point's position stamp, to store after it
 
 
 class ChangeSource(Protocol):
@@ -84,7 +85,8 @@ class Persister(Protocol):
     """Local persistence (`rpmemfs.pmem.PoolMapping`)."""
 
     def persist(self, ranges: Iterable[tuple[int, int]]) -> None: ...
-    def persist_then_store(self, first: Iterable[tuple[int, int]], offset: int, data: bytes) -> None: ...
+    def persist_then_store(self, first: Iterable[tuple[int, int]], offset: int, data: bytes,
+                           then: tuple[int, bytes] | None = None) -> None: ...
 
 
 class _held:  # noqa: N801 (used as "async with _held(lock)", like the lock itself)
@@ -224,7 +226,10 @@ class Durability:
     def _persist_locally(self) -> Changes:
         c = self._source.take_changes()
         if c.log is not None:
-            self._persister.persist_then_store(c.data, c.log[0], c.log[1])
+            # The stamp only once the records are persistent: a crash inside their store may
+            # leave a torn record with intact ones after it, and a stamp older than them is
+            # what tells a mount they belong to a point that never ended (fs/log.py scan).
+            self._persister.persist_then_store(c.data, c.log[0], c.log[1], c.stamp)
         elif c.data:
             self._persister.persist(c.data)
         return c
@@ -233,6 +238,8 @@ class Durability:
         ranges = self._carry + c.persisted + c.stored + c.data
         if c.log is not None:
             ranges.append((c.log[0], len(c.log[1])))
+        if c.stamp is not None:
+            ranges.append((c.stamp[0], len(c.stamp[1])))
         self._carry = []
         return ranges
 
@@ -241,7 +248,8 @@ class Durability:
             changes = self._persist_locally()
             ranges = self._for_replicas(changes)
             if ranges:
-                ranges.append(self._stamp(rs.local_buf, changes.seq))
+                if changes.stamp is None:  # a point without a log record is stamped here
+                    ranges.append(self._stamp(rs.local_buf, changes.seq))
                 try:
                     backlog.take(ranges)
                 except ReplicaError as e:

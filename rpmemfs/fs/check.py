@@ -75,6 +75,10 @@ def check(buf: memoryview, path: str = "") -> dict[str, Any]:
         problems.append(f"log replay failed: {e}")
         return report
     problems.extend(index.problems)
+    if found.stale is not None:
+        report["notes"].append(
+            f"records of a point that never ended past the log's tail ({found.stale[1]} bytes at "
+            f"pool offset {found.stale[0]}: a crash inside their store; erased at mount)")
     _check_tree(index, hdr.data_blocks, problems, report["notes"])
     _check_acls(index, problems)
     inodes = index.inodes

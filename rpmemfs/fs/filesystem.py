@@ -36,6 +36,7 @@ from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.log import Log, LogFull, LogScan, Ranges, scan
 from rpmemfs.fs.replay import ROOT_INO, Index
+from rpmemfs.pool import position
 from rpmemfs.pool.header import read_header, write_header
 from rpmemfs.pool.layout import BACKUP_OFF, BLOCK, BLOCK_SHIFT, HEADER_BYTES, Header, PoolFormatError
 
@@ -79,6 +80,9 @@ class Changes:
     log: tuple[int, bytes] | None  # the staged log record (offset, bytes), to store last
     seq: int  # last log record covered
     tail: int  # log position after it
+    # With a log record: the position stamp that says the point ended (offset, bytes), to
+    # store once the record is persistent (rpmemfs.fs.log.scan reads it after a crash).
+    stamp: tuple[int, bytes] | None = None
 
 
 class Filesystem:
@@ -155,6 +159,8 @@ class Filesystem:
                  len(found.records), tail, entries, len(index.inodes), dt)
         if progress:
             progress(f"replayed {len(found.records)} records, {len(index.inodes)} inodes in {dt:.2f} s")
+        if found.stale is not None and repair:
+            fs._erase_stale(*found.stale)
         fs.replay_stats = (len(found.records), entries, dt)
         fs.replay_tail = (tail, fs.log.tail_bytes)
         fs._restore_unwritten(index.prealloc)
@@ -164,6 +170,16 @@ class Filesystem:
             fs._commit(freed, freeing=orphans)
             log.info("reclaimed %d orphan inodes", len(orphans))
         return fs
+
+    def _erase_stale(self, offset: int, length: int) -> None:
+        """Zero the intact records a crash left past the log's tail (a point that never ended:
+        fs/log.py scan) before anything is appended there: the records written next take the
+        same numbers, and one of those left could otherwise pass for the next one written at
+        its place. Replicas get the zeros with the next point."""
+        self.buf[offset: offset + length] = bytes(length)
+        self._persist([(offset, length)])
+        log.warning("log: a crash tore the store of a point that never ended; dropped its "
+                    "records (%d bytes at pool offset %d): none was acknowledged", length, offset)
 
     replay_stats: tuple[int, int, float] = (0, 0, 0.0)
     replay_tail: tuple[int, int] = (0, 0)  # records and bytes replayed after the snapshot
@@ -273,7 +289,9 @@ class Filesystem:
         persisted, self.persisted = self.persisted, []
         stored = _coalesce(self.nt_data)
         self.nt_data = []
-        return Changes(persisted, stored, data, staged, seq, tail)
+        stamp = None if staged is None else (
+            position.POSITION_OFF, position.encode(position.Position(seq, time.time_ns())))
+        return Changes(persisted, stored, data, staged, seq, tail, stamp)
 
     def _take_dirty(self) -> Ranges:
         """Log every dirty inode and hand over the changed data ranges, coalesced."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rpmemfs.fs import records as R
 from rpmemfs.native import log_scan
+from rpmemfs.pool import position
 from rpmemfs.pool.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
 
 Ranges = list[tuple[int, int]]
@@ -26,6 +27,9 @@ class LogScan:
     tail: int = AREA_RECORDS_OFF
     next_seq: int = 1
     other_gen: int | None = None
+    # Past the tail: intact records of a point that never ended (their store was torn), as a
+    # pool range (offset, length) that a writable mount erases before it appends.
+    stale: tuple[int, int] | None = None
 
 
 def scan(buf: memoryview, hdr: Header) -> LogScan:
@@ -57,12 +61,39 @@ def scan(buf: memoryview, hdr: Header) -> LogScan:
             f"{hdr.area_off(active) + off} of log area {active} fails its checksum")
     later = R.find_later_record(area, off, seq - 1)
     if later is not None:
-        raise PoolFormatError(
-            f"log damaged: record seq {seq} at pool offset {hdr.area_off(active) + off} of log "
-            f"area {active} fails its checksum but intact later records follow it (at pool "
-            f"offset {hdr.area_off(active) + later}); refusing to drop acknowledged changes")
+        # Torn, with intact records after it: a crash inside the store of a point's records
+        # (written back in any order until fenced), or damage to a point that ended. Every
+        # point stamps its last record's seq once its records are persistent, so a stamp
+        # below this record's seq says its point never ended and nothing from here on was
+        # acknowledged. Without a stamp (an older pool, or the stamp damaged) there is no
+        # telling: refuse.
+        stamp = position.decode(bytes(buf[position.POSITION_OFF: position.POSITION_OFF + position.SIZE]))
+        if stamp is None or stamp.seq >= seq:
+            raise PoolFormatError(
+                f"log damaged: record seq {seq} at pool offset {hdr.area_off(active) + off} of log "
+                f"area {active} fails its checksum but intact later records follow it (at pool "
+                f"offset {hdr.area_off(active) + later}); refusing to drop acknowledged changes")
+        end = _stale_end(area, later)
+        result.stale = (hdr.area_off(active) + off, end - off)
     result.tail, result.next_seq = off, seq
     return result
+
+
+def _stale_end(area: memoryview, at: int) -> int:
+    """The end of the last intact record from ``at`` on, over any torn ones between them: the
+    records of the point whose store was torn (they are numbered on from each other)."""
+    _crc, _length, seq = R.REC.unpack_from(area, at)
+    end = at
+    while True:
+        rec = R.read_record(area, at, seq)
+        if rec is not None:
+            end, at, seq = at + rec.length, at + rec.length, seq + 1
+            continue
+        nxt = R.find_later_record(area, at, seq - 1)
+        if nxt is None:
+            return end
+        at = nxt
+        seq = R.REC.unpack_from(area, at)[2]
 
 
 class Log:

@@ -14,6 +14,7 @@ from rpmemfs.fs.errors import MkfsError
 from rpmemfs.fs.log import Ranges
 from rpmemfs.fs.replay import ROOT_INO
 from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool import position
 from rpmemfs.pool.layout import (
     AREA_RECORDS_OFF,
     BACKUP_OFF,
@@ -58,6 +59,9 @@ def format_pool(buf: memoryview, hdr: Header, uid: int, gid: int) -> Ranges:
     raw = hdr.encode()
     buf[BACKUP_OFF: BACKUP_OFF + len(raw)] = raw
     buf[HEADER_OFF: HEADER_OFF + len(raw)] = raw
+    # As every durability point after it: its last record is stamped (fs/log.py scan).
+    stamp = position.encode(position.Position(1, now))
+    buf[position.POSITION_OFF: position.POSITION_OFF + len(stamp)] = stamp
     return [(0, hdr.data_off), *format_map(buf, hdr)]
 
 

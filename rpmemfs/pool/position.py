@@ -6,8 +6,12 @@ dead nothing else says by how much. So every batch the primary sends ends with t
 (written to the local pool too, so a replica that caught up equals the primary byte for byte):
 the batch's writes are placed in order, so a replica holding a stamp holds every point up to
 it. `rpmemfs promote` reads it from each replica it reaches and reports how far behind the most
-advanced one its source was. Sync mode writes no stamp: every in-sync replica holds every
-acknowledged point there.
+advanced one its source was.
+
+Every point that stores log records stamps them too, in any mode, once they are persistent:
+a mount that finds a torn record followed by intact ones reads it to tell a crash inside the
+store of a point that never ended (the stamp is older: drop them) from damage to an
+acknowledged one (refuse the pool): rpmemfs/fs/log.py, scan.
 
     offset  size  field  (at POSITION_OFF of the pool, in block 0 after the replica table)
     0       8     magic b"RPMPOS\\0\\0"

@@ -137,8 +137,8 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
 
 def behind(source: str, held: dict[str, position.Position | None]) -> dict[str, Any] | None:
     """How far the source was behind the most advanced replica reached (records and seconds
-    of the primary's history), and where each stood; None when none holds a stamp (the pool
-    was replicated synchronously: every in-sync replica held every acknowledged point)."""
+    of the primary's history), and where each stood; None when none holds a stamp (a pool
+    replicated synchronously by a version that stamped no point)."""
     known = {spec: pos for spec, pos in held.items() if pos is not None}
     if not known:
         return None

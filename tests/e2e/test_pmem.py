@@ -147,6 +147,21 @@ def test_out_of_range_raises(pool: Path, mode: str, bad: tuple[int, int]) -> Non
 
 
 @pytest.mark.parametrize("mode", PMEM_MODES)
+def test_persist_then_store_stores_the_record_then_the_stamp(pool: Path, mode: str) -> None:
+    """A durability point's commit (rpmemfs/durability/barrier.py): the data, then the log
+    record, then the stamp that says the point ended; a range outside the pool stores none."""
+    with PoolMapping.open(str(pool), mode) as pm:
+        pm.buf[8192:8196] = b"data"
+        pm.persist_then_store([(8192, 4)], 4096, b"record", then=(3584, b"stamp"))
+        assert pread(pool, 4096, 6) == b"record" and pread(pool, 3584, 5) == b"stamp"
+        pm.persist_then_store([], 5000, b"alone")  # no stamp: the record only
+        assert pread(pool, 5000, 5) == b"alone"
+        with pytest.raises(ValueError, match="outside the pool"):
+            pm.persist_then_store([], 6000, b"never", then=(SIZE - 2, b"stamp"))
+        assert pread(pool, 6000, 5) == bytes(5)
+
+
+@pytest.mark.parametrize("mode", PMEM_MODES)
 def test_write_nt(pool: Path, mode: str) -> None:
     with PoolMapping.open(str(pool), mode) as pm:
         data = bytes(range(256)) * 40

@@ -66,10 +66,12 @@ class MemPersister:
         if got:
             self.calls.append(Call(got, self.tag))
 
-    def persist_then_store(self, first: Iterable[tuple[int, int]], offset: int, data: bytes) -> None:
+    def persist_then_store(self, first: Iterable[tuple[int, int]], offset: int, data: bytes,
+                           then: tuple[int, bytes] | None = None) -> None:
         self.persist(first)
-        self.buf[offset: offset + len(data)] = data
-        self.persist([(offset, len(data))])
+        for at, part in ((offset, data), *((then,) if then is not None else ())):
+            self.buf[at: at + len(part)] = part
+            self.persist([(at, len(part))])
 
     def media(self, upto: int | None = None, *, torn: Iterable[int] = (),
               evict: float = 0.0, rng: random.Random | None = None) -> bytearray:

@@ -241,6 +241,7 @@ class Changes:
     log: tuple[int, bytes] | None = None
     seq: int = 0
     tail: int = 0
+    stamp: tuple[int, bytes] | None = None
 
 
 class Source:
@@ -265,8 +266,10 @@ class Persister:
     def persist(self, ranges: object) -> None:
         pass
 
-    def persist_then_store(self, first: object, offset: int, data: bytes) -> None:
-        self.buf[offset: offset + len(data)] = data
+    def persist_then_store(self, first: object, offset: int, data: bytes,
+                           then: tuple[int, bytes] | None = None) -> None:
+        for at, part in ((offset, data), *((then,) if then is not None else ())):
+            self.buf[at: at + len(part)] = part
 
 
 @asynccontextmanager

@@ -23,6 +23,7 @@ class FakeChanges:
     log: tuple[int, bytes] | None = None
     seq: int = 0
     tail: int = 0
+    stamp: tuple[int, bytes] | None = None
 
 
 class Source:
@@ -57,9 +58,12 @@ class Persister:
     def persist(self, ranges: object) -> None:
         self.calls.append(("persist", list(ranges)))  # type: ignore[call-overload]
 
-    def persist_then_store(self, first: object, offset: int, data: bytes) -> None:
+    def persist_then_store(self, first: object, offset: int, data: bytes,
+                           then: tuple[int, bytes] | None = None) -> None:
         self.calls.append(("persist", list(first)))  # type: ignore[call-overload]
         self.calls.append(("store", (offset, len(data))))
+        if then is not None:
+            self.calls.append(("store", (then[0], len(then[1]))))
 
 
 class Replicas:

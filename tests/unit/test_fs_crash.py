@@ -21,6 +21,7 @@ from mempool import MemPersister, durable, metadata, new_fs, reopen, tree
 from rpmemfs.fs.check import check
 from rpmemfs.fs.filesystem import Filesystem, FsError
 from rpmemfs.fs.replay import ROOT_INO
+from rpmemfs.pool import position
 from rpmemfs.pool.layout import AREA_RECORDS_OFF, BLOCK, PoolFormatError
 
 REG = stat.S_IFREG | 0o644
@@ -46,7 +47,11 @@ def test_data_is_persisted_before_the_log_record_that_points_at_it() -> None:
     p.calls.clear()
     durable(fs)
     kinds = [{region(fs, off) for off, _ in c.ranges} for c in p.calls]
-    assert kinds == [{"data"}, {"log"}], kinds
+    # Data, then the log record, then the stamp that says the point ended (fs/log.py scan).
+    assert kinds == [{"data"}, {"log"}, {"header"}], kinds
+    (off, raw), = p.calls[2].ranges
+    stamp = position.decode(raw)
+    assert off == position.POSITION_OFF and stamp is not None and stamp.seq == fs.log.next_seq - 1
     data = p.calls[0].ranges
     node = fs.node(ino)
     for fb in (0, 1, 2, 5):
@@ -66,7 +71,7 @@ def test_crash_between_data_and_record_keeps_the_old_state() -> None:
     synced = len(p.calls)
     fs.write(ino, 0, b"new data that grows the file")
     durable(fs)
-    assert len(p.calls) == synced + 2  # the data, then the record
+    assert len(p.calls) == synced + 3  # the data, then the record, then the stamp
     # Power lost after the data, before the record: the file is as synced (its first three
     # bytes may be new: overwritten in place, which POSIX allows before the fsync returns).
     crashed = reopen(p.media(synced + 1))[0]
@@ -252,22 +257,64 @@ def test_checkpoints_when_the_log_fills_and_crashes_during_them() -> None:
     assert tree(reopen(bytearray(w.fs.buf))[0]) == tree(w.fs)
 
 
-@pytest.mark.xfail(strict=True, raises=PoolFormatError,
-                   reason="known: a torn multi-record store makes the next mount refuse the pool "
-                   "('intact later records follow'), though no record in it was acknowledged; "
-                   "reported with the unit tier, not fixed there")
 def test_power_loss_inside_the_store_of_several_records_keeps_the_synced_state() -> None:
     """Records staged by several operations reach the pool in one store at the durability
-    point; power lost before that store is fenced may have written any of its cache lines."""
+    point; power lost before that store is fenced may have written any of its cache lines.
+    Intact records after a torn one are then that unfinished point's: the stamp of the last
+    point that ended is older than them, so the mount drops them (and erases them, so that
+    they never pass for records written later at the same place)."""
     fs, p = new_fs()
     empty = tree(fs)
     for i in range(4):
         fs.create(ROOT_INO, b"file-with-a-long-name-%d" % i, REG, 0, 0)
     durable(fs)
-    (off, data), = p.calls[-1].ranges
+    (off, data), = p.calls[-2].ranges
     assert region(fs, off) == "log" and len(data) > 3 * 64
     # Every line written back but the one holding the first record's header.
-    media = p.media(len(p.calls) - 1)
+    media = p.media(len(p.calls) - 2)
     line = (off // 64 + 1) * 64
     media[line: off + len(data)] = data[line - off:]
-    assert tree(reopen(media)[0]) == empty
+    assert any("never ended" in n for n in check(memoryview(bytes(media)))["notes"])
+    again, persister = reopen(media)
+    assert tree(again) == empty
+    assert bytes(again.buf[off: off + len(data)]) == bytes(len(data))
+    assert (off, len(data)) in [(o, len(d)) for c in persister.calls for o, d in c.ranges]
+    # The mount goes on from there; its next record has the number and the size of the first
+    # one dropped, so were the dropped ones still there, the next of them would be replayed
+    # after it.
+    again.create(ROOT_INO, b"file-with-a-long-name-X", REG, 0, 0)
+    durable(again)
+    assert set(tree(reopen(bytearray(again.buf))[0])) == set(empty) | {"/file-with-a-long-name-X"}
+
+
+def test_a_damaged_record_of_a_point_that_ended_makes_the_mount_refuse_the_pool() -> None:
+    """The same damage in a record of a point whose stamp was written (acknowledged) is not a
+    crash inside a store: dropping it and the records after it would lose acknowledged
+    changes, so the mount refuses the pool and says where."""
+    fs, p = new_fs()
+    fs.create(ROOT_INO, b"first", REG, 0, 0)
+    durable(fs)
+    (off, _), = p.calls[-2].ranges
+    for i in range(3):
+        fs.create(ROOT_INO, b"later-%d" % i, REG, 0, 0)
+        durable(fs)
+    media = bytearray(fs.buf)
+    media[off + 16] ^= 0xFF  # inside the first point's record, acknowledged
+    with pytest.raises(PoolFormatError, match="intact later records follow"):
+        reopen(media)
+
+
+def test_without_a_stamp_a_damaged_record_with_intact_ones_after_it_is_refused() -> None:
+    """A pool last written by a version that stamped no point (or whose stamp is damaged)
+    cannot tell a torn store from damage: it is refused, as before."""
+    fs, p = new_fs()
+    for i in range(4):
+        fs.create(ROOT_INO, b"file-with-a-long-name-%d" % i, REG, 0, 0)
+    durable(fs)
+    (off, data), = p.calls[-2].ranges
+    media = p.media(len(p.calls) - 2)
+    line = (off // 64 + 1) * 64
+    media[line: off + len(data)] = data[line - off:]
+    media[position.POSITION_OFF: position.POSITION_OFF + position.SIZE] = bytes(position.SIZE)
+    with pytest.raises(PoolFormatError, match="intact later records follow"):
+        reopen(media)
