@@ -102,7 +102,8 @@ def test_seq_write_reports_cpu_per_megabyte_split_the_same_way(
     assert alone["cpu_per_mb"] > 0
     assert alone["cpu_daemon_user_mb"] == alone["cpu_targets_mb"] == 0
     assert alone["cpu_other_mb"] == alone["cpu_per_mb"]
-    served = {m.name: m.value for m in seq_write(tmp_path, Scale(seq_bytes=64 << 20), spinners).metrics}
-    parts = ("cpu_daemon_user_mb", "cpu_daemon_kernel_mb", "cpu_targets_mb", "cpu_other_mb")
-    assert all(served[p] >= 0 for p in parts)
-    assert sum(served[p] for p in parts) >= served["cpu_per_mb"] - 1e-6
+    # 256 MiB: a few tenths of a second, so that each spinner is counted some ticks.
+    served = {m.name: m.value for m in seq_write(tmp_path, Scale(seq_bytes=256 << 20), spinners).metrics}
+    assert served["cpu_daemon_user_mb"] > served["cpu_daemon_kernel_mb"]
+    assert served["cpu_targets_mb"] > 0
+    assert served["cpu_other_mb"] >= 0
