@@ -42,12 +42,16 @@ class ProcessTimes:
     user: float  # seconds
     kernel: float  # seconds
 
+    @property
+    def total(self) -> float:
+        return self.user + self.kernel
+
 
 def process_times(pid: int) -> ProcessTimes:
     """A process's CPU time so far, all its threads (/proc/PID/stat: utime, stime)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        # The command name may hold spaces and parentheses: fields count from its end.
-        fields = f.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # The command name may hold spaces, parentheses, any byte: fields count from its end.
+        fields = f.read().rsplit(b")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     return ProcessTimes(int(fields[11]) / tick, int(fields[12]) / tick)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rpmemfs.tools.bench import note
+from rpmemfs.tools.bench.cpu import process_times
 from rpmemfs.tools.bench.populate import dir_name, file_name, populate
 from rpmemfs.tools.bench.stats import Metric, WorkloadResult
 from rpmemfs.tools.bench.targets import mkfs
@@ -50,13 +51,6 @@ def pool_size_for(n_files: int, asked: str) -> str:
     return asked if given >= need else f"{(need + (1 << 20) - 1) >> 20}M"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time the process has used so far (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Timed:
     """One mount of the pool, timed from the daemon's start until a stat answers. Beside
     the wall time it takes the daemon's CPU time (``cpu``), which a busy machine stretches
@@ -77,7 +71,7 @@ class Timed:
             try:
                 os.stat(self.probe)
                 took = time.perf_counter() - start
-                self.cpu = cpu_seconds(proc.pid)
+                self.cpu = process_times(proc.pid).total
                 return took
             except OSError:
                 pass
@@ -102,7 +96,7 @@ class Timed:
     def umount(self) -> float:
         assert self.daemon.proc is not None
         pid = self.daemon.proc.pid
-        before = cpu_seconds(pid)
+        before = process_times(pid).total
         start = time.perf_counter()
         run_rpmemfs("umount", self.daemon.mountpoint, timeout=self.timeout)
         took = time.perf_counter() - start
