@@ -273,10 +273,10 @@ class Durability:
     def _stamp(self, buf: memoryview, seq: int) -> tuple[int, int]:
         """Stamp the point's place in the history last in its batch (pool/position.py): a
         replica holding it holds the whole point, and promote can tell how far behind it is."""
-        raw = position.encode(position.Position(seq, time.time_ns()))
-        buf[position.POSITION_OFF : position.POSITION_OFF + len(raw)] = raw
-        self._persister.persist([(position.POSITION_OFF, len(raw))])
-        return position.POSITION_OFF, len(raw)
+        off, raw = position.stamp(seq)
+        buf[off : off + len(raw)] = raw
+        self._persister.persist([(off, len(raw))])
+        return off, len(raw)
 
     async def _replicated_point(self, rs: ReplicaSet, report: bool = True) -> None:
         asked, failures = self._takes, self._failures

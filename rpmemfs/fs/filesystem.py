@@ -289,8 +289,7 @@ class Filesystem:
         persisted, self.persisted = self.persisted, []
         stored = _coalesce(self.nt_data)
         self.nt_data = []
-        stamp = None if staged is None else (
-            position.POSITION_OFF, position.encode(position.Position(seq, time.time_ns())))
+        stamp = None if staged is None else position.stamp(seq)
         return Changes(persisted, stored, data, staged, seq, tail, stamp)
 
     def _take_dirty(self) -> Ranges:

@@ -60,8 +60,8 @@ def format_pool(buf: memoryview, hdr: Header, uid: int, gid: int) -> Ranges:
     buf[BACKUP_OFF: BACKUP_OFF + len(raw)] = raw
     buf[HEADER_OFF: HEADER_OFF + len(raw)] = raw
     # As every durability point after it: its last record is stamped (fs/log.py scan).
-    stamp = position.encode(position.Position(1, now))
-    buf[position.POSITION_OFF: position.POSITION_OFF + len(stamp)] = stamp
+    off, stamp = position.stamp(1, now)
+    buf[off: off + len(stamp)] = stamp
     return [(0, hdr.data_off), *format_map(buf, hdr)]
 
 

@@ -23,6 +23,7 @@ acknowledged one (refuse the pool): rpmemfs/fs/log.py, scan.
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 
 from rpmemfs.native import crc32c
@@ -49,6 +50,12 @@ class Position:
 def encode(pos: Position) -> bytes:
     body = _BODY.pack(MAGIC, pos.seq, pos.time_ns)
     return body + _CRC.pack(crc32c(body))
+
+
+def stamp(seq: int, time_ns: int | None = None) -> tuple[int, bytes]:
+    """Where a stamp of a point whose last log record is ``seq`` goes, and its bytes (the time
+    is now unless given)."""
+    return POSITION_OFF, encode(Position(seq, time.time_ns() if time_ns is None else time_ns))
 
 
 def decode(raw: bytes) -> Position | None:
