@@ -218,9 +218,13 @@ def test_a_stopped_replica_holds_writers_at_max_lag_then_eio_and_it_rejoins(
         os.close(fd)
         os.kill(proc.pid, signal.SIGCONT)
     # Writers went on until the replica lagged by max_lag, not much further, and not less.
-    # (Failed twice in about 40 runs with 1.9 MiB, cause unknown: the status and the daemon's
-    # log say how far each replica got and what it went through.)
-    assert 1 << 19 <= acked <= (1 << 20) + len(chunk), (acked, status_json(m.path), m.output())
+    # (Failed in about 1 run of 40, with 1.3 and 1.9 MiB, cause unknown: the status and the
+    # daemon's log say how far each replica got and what it went through. Printed whole, since
+    # pytest cuts a long assertion message short.)
+    if not 1 << 19 <= acked <= (1 << 20) + len(chunk):
+        print("status:", json.dumps(status_json(m.path), indent=1))
+        print("daemon output:", m.output(), sep="\n")
+    assert 1 << 19 <= acked <= (1 << 20) + len(chunk), acked
     assert wait_until(lambda: [r["state"] for r in status_json(m.path)["replicas"]] == ["in-sync"] * 2, 30)
     write_fsync(m.path / "after", b"both again")
     assert wait_until(lambda: all(r["lag_bytes"] == 0 for r in status_json(m.path)["replicas"]), 10)
