@@ -12,7 +12,8 @@ must not apply under a default ACL). Setuid and setgid are cleared on write, tru
 chown by us when the kernel says so (FUSE_HANDLE_KILLPRIV_V2, negotiated by the patched
 binding: the kernel checks CAP_FSETID and flags the request, we apply the rest of
 should_remove_suid); with it the kernel also stops asking for security.capability before
-every write.
+every write. It flags the chown of every non-directory, FIFOs, devices and sockets too,
+and clears nothing of theirs itself.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from rpmemfs.fs import acl as A
 from rpmemfs.fs import bulk
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator, OutOfSpace
-from rpmemfs.fs.creds import ROOT, Caller
+from rpmemfs.fs.creds import ROOT, Caller, suidgid_to_clear
 from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.log import Log, LogFull, LogScan, Ranges, scan
@@ -658,7 +658,7 @@ class Filesystem:
         or truncate clears them (see kill_suidgid); a mode given along still wins."""
         node = self.node(ino)
         if kill_suidgid is not None:
-            self.kill_suidgid(node, kill_suidgid)
+            self.kill_suidgid(node, kill_suidgid, new_gid=gid)
         acl_value = node.xattrs.get(A.ACCESS) if self.posix_acl and mode is not None else None
         self._room(R.INODE.size + R.TRUNC.size
                    + (R.XSET.size + len(A.ACCESS) + len(acl_value) + 8 if acl_value else 0))
@@ -691,20 +691,19 @@ class Filesystem:
         self._touch(node)
         return node
 
-    def kill_suidgid(self, node: Inode, caller: Caller) -> None:
-        """Clear setuid and setgid of a regular file as the kernel's should_remove_suid does
-        for a change by ``caller`` that the kernel already found lacks CAP_FSETID (or for a
-        chown, which clears them for everyone): setuid always, setgid when the group may
-        execute or the caller is neither in the file's group nor capable. The kernel asks
-        for it (FUSE_HANDLE_KILLPRIV_V2) and leaves it to us on write, truncate and chown."""
-        if node.is_reg and node.mode & (stat.S_ISUID | stat.S_ISGID):
-            kill = stat.S_ISUID
-            if node.mode & stat.S_IXGRP or not caller.in_group_or_capable(node.gid):
-                kill |= stat.S_ISGID
-            if node.mode & kill:
-                node.mode &= ~kill
-                node.tick()
-                self._touch(node)
+    def kill_suidgid(self, node: Inode, caller: Caller, new_gid: int | None = None) -> None:
+        """Clear setuid and setgid as the kernel would for a write or truncate by ``caller``
+        that it already found lacks CAP_FSETID, or for a chown (to ``new_gid``, if the group
+        changes) by anyone, root included: see suidgid_to_clear. The kernel asks for it
+        (FUSE_HANDLE_KILLPRIV_V2) and leaves it to us; a chown asks for every non-directory,
+        FIFOs, devices and sockets as well as regular files."""
+        if node.is_dir:
+            return
+        kill = suidgid_to_clear(node.mode, node.gid, caller, new_gid)
+        if kill:
+            node.mode &= ~kill
+            node.tick()
+            self._touch(node)
 
     def open_truncate(self, ino: int, caller: Caller) -> Inode:
         """open(O_TRUNC): the kernel sends no setattr (atomic O_TRUNC), so what its truncate
@@ -713,10 +712,7 @@ class Filesystem:
         node = self.node(ino)
         self._room(R.INODE.size + R.TRUNC.size)
         if node.is_reg and node.mode & (stat.S_ISUID | stat.S_ISGID) and not caller.capable_fsetid():
-            kill = stat.S_ISUID
-            if node.mode & stat.S_IXGRP or not caller.in_group_or_capable(node.gid):
-                kill |= stat.S_ISGID
-            node.mode &= ~kill
+            node.mode &= ~suidgid_to_clear(node.mode, node.gid, caller)
         if node.size:
             self.truncate(node, 0)
         else:

@@ -229,6 +229,53 @@ def test_direct_io_write_clears_setuid(dirs: tuple[Mount, Path]) -> None:
     assert stat.filemode(os.stat(mnt.path / "d").st_mode) == "-rwxrwxrwx"
 
 
+MAKE = {
+    "fifo": "mknod $f p",
+    "chr": "mknod $f c 1 3",
+    "blk": "mknod $f b 7 0",
+    "sock": "python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' $f",
+    "reg": "touch $f",
+    "symlink": "ln -s t $f",
+}
+
+
+@pytest.mark.parametrize("kind", list(MAKE))
+def test_chown_clears_setuid_and_setgid_of_every_non_directory_as_on_tmpfs(
+        dirs: tuple[Mount, Path], kind: str) -> None:
+    """A chown of any non-directory clears setuid, and setgid when the group may execute or
+    the caller is in neither the old group nor (when setuid goes too) the new one, unless it
+    has CAP_FSETID. The kernel flags every such chown and leaves the clearing to us
+    (HANDLE_KILLPRIV_V2), whatever the file's type. A symlink has no bits to lose (chmod
+    follows it): its row checks that lchown of one changes nothing else."""
+    chmod = ": " if kind == "symlink" else "chmod "
+    both(dirs, f"touch t; for f in a b c d e g h k; do {MAKE[kind]}; done;"
+               " chown -h 1001:1001 a b c; chown -h 1001:3001 d;"
+               f" {chmod}6755 a e; {chmod}6745 b c g h k; {chmod}2745 d")
+    # The owner, in the old group, to a group it is in (uid unchanged): group exec or not.
+    both(dirs, f"chgrp -h {MEMBER} a b; chown -h 1001:{MEMBER} c", uid=1001, groups=(MEMBER,))
+    # The owner, not in the old group: setgid goes even without group exec.
+    both(dirs, f"chgrp -h {MEMBER} d", uid=1001, groups=(MEMBER,))
+    # Root: setuid always goes, setgid only with group exec.
+    both(dirs, f"chown -h 1002 e g; chgrp -h {MEMBER} h")
+    # Root without CAP_FSETID, to a group it is not in: setgid goes with setuid.
+    both(dirs, f"setpriv --clear-groups --bounding-set -fsetid -- chgrp -h {MEMBER} k")
+    mnt, ref = dirs
+    got = observe(mnt.path)
+    assert got == observe(ref)
+    s = got["stat"]
+    modes = {name: int(s[name][1], 8) & 0o7777 for name in "abcdeghk"}  # type: ignore[index]
+    if kind == "symlink":
+        assert set(modes.values()) == {0o777}
+    else:
+        assert modes == {"a": 0o755, "b": 0o2745, "c": 0o2745, "d": 0o745, "e": 0o755,
+                         "g": 0o2745, "h": 0o2745, "k": 0o745}
+    assert [s[n][2:] for n in "abcdeghk"] == [  # type: ignore[index]
+        (1001, MEMBER), (1001, MEMBER), (1001, MEMBER), (1001, MEMBER), (1002, 0), (1002, 0),
+        (0, MEMBER), (0, MEMBER)]
+    mnt.remount()
+    assert observe(mnt.path) == got
+
+
 # ------------------------------------------------------------------ without xattrs
 
 

@@ -18,13 +18,14 @@ from mempool import durable, new_fs, reopen, tree
 
 from rpmemfs.fs import acl as A
 from rpmemfs.fs import filesystem as F
-from rpmemfs.fs.creds import Creds
+from rpmemfs.fs.creds import Creds, suidgid_to_clear
 from rpmemfs.fs.filesystem import Filesystem, FsError
 from rpmemfs.fs.replay import ROOT_INO
 
 ROOT = ROOT_INO
 OWNER = Creds(1000, 1000)  # an unprivileged caller, in its own group only
 MEMBER = Creds(1000, 1000, frozenset({2000}))
+ROOT_USER = Creds(0, 0, fsetid=True)
 
 
 def acl(*entries: tuple[int, int, int]) -> bytes:
@@ -236,13 +237,53 @@ def test_kill_suidgid_follows_should_remove_suid_and_is_logged(fs: Filesystem) -
     fs.kill_suidgid(fs.node(a), MEMBER)
     fs.kill_suidgid(fs.node(b), OWNER)
     fs.kill_suidgid(fs.node(c), MEMBER)
-    fs.kill_suidgid(fs.node(d), OWNER)  # only regular files lose them
+    fs.kill_suidgid(fs.node(d), OWNER)  # a directory never loses them
     assert (perms(fs, a), perms(fs, b), perms(fs, c), perms(fs, d)) == (0o777, 0o767, 0o2767, 0o2777)
     assert fs.node(a).ctime > ctime
     fs.setattr(c, size=0, kill_suidgid=OWNER)
     assert perms(fs, c) == 0o767
     fs2 = remount(fs)
     assert (perms(fs2, a), perms(fs2, b), perms(fs2, c)) == (0o777, 0o767, 0o767)
+
+
+@pytest.mark.parametrize("kind", [stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK,
+                                  stat.S_IFREG], ids=["fifo", "chr", "blk", "sock", "reg"])
+def test_chown_clears_setuid_and_setgid_of_every_non_directory(fs: Filesystem, kind: int) -> None:
+    """The kernel flags a chown of any non-directory (HANDLE_KILLPRIV_V2), not only of a
+    regular file, and leaves the clearing to us: chown_common's rule whatever the type."""
+    inos = [fs.create(ROOT, name, kind | mode, 1000, gid, rdev=0x0701).ino
+            for name, mode, gid in ((b"a", 0o6755, 1000), (b"b", 0o6745, 1000),
+                                    (b"c", 0o6745, 1000), (b"d", 0o6745, 3000))]
+    fs.setattr(inos[0], gid=2000, kill_suidgid=MEMBER)  # group exec: both go
+    fs.setattr(inos[1], gid=2000, kill_suidgid=MEMBER)  # in the old group: setgid stays
+    fs.setattr(inos[2], uid=1001, kill_suidgid=ROOT_USER)  # root: setuid goes, setgid stays
+    fs.setattr(inos[3], gid=2000, kill_suidgid=MEMBER)  # not in the old group: setgid goes
+    assert [perms(fs, i) for i in inos] == [0o755, 0o2745, 0o2745, 0o745]
+    assert [fs.node(i).gid for i in inos] == [2000, 2000, 1000, 2000]
+    fs2 = remount(fs)
+    assert [perms(fs2, i) for i in inos] == [0o755, 0o2745, 0o2745, 0o745]
+
+
+def test_suidgid_to_clear_follows_the_kernel() -> None:
+    """setattr_should_drop_suidgid and chown_common with setattr_prepare, as a table:
+    (mode, file's group, caller, new group of a chown) -> the bits that go."""
+    no_fsetid_root = Creds(0, 0)  # CAP_CHOWN without CAP_FSETID
+    cases = [
+        (0o6755, 1000, OWNER, None, 0o6000),  # group exec: setgid goes for anyone
+        (0o6755, 1000, ROOT_USER, 2000, 0o6000),
+        (0o6745, 1000, OWNER, None, 0o4000),  # in the group
+        (0o6745, 2000, OWNER, None, 0o6000),  # not in it
+        (0o6745, 2000, MEMBER, None, 0o4000),
+        (0o6745, 2000, ROOT_USER, None, 0o4000),  # capable
+        (0o2745, 2000, OWNER, None, 0o2000),
+        (0o0755, 2000, OWNER, None, 0),
+        (0o6745, 1000, MEMBER, 2000, 0o4000),  # a chown to a group it is in
+        (0o6745, 0, no_fsetid_root, 2000, 0o6000),  # ...not in the new group, setuid going
+        (0o2745, 0, no_fsetid_root, 2000, 0),  # ...no setuid: no chmod, setgid stays
+        (0o6745, 0, ROOT_USER, 2000, 0o4000),
+    ]
+    got = [suidgid_to_clear(mode, gid, who, new) for mode, gid, who, new, _ in cases]
+    assert got == [want for *_, want in cases]
 
 
 # ------------------------------------------------------------------ timestamps
