@@ -3,6 +3,7 @@
 # .venv, and the package itself (its native helper is compiled here, by cffi).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/progress.sh
 
 # libssl-dev: the native helper seals protected connections with libcrypto (native/rpmem_sec.c).
 PKGS=(fuse3 libfuse3-dev libssl-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc patch)
@@ -14,17 +15,16 @@ for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  echo "installing system packages: ${missing[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  step "updating Debian's package lists" $SUDO apt-get update -qq
+  step "installing ${missing[*]}" env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+step "updating pip in .venv" .venv/bin/python -m pip install -q --upgrade pip
 extras=""
 system=0
 for arg in "$@"; do
@@ -35,10 +35,13 @@ for arg in "$@"; do
     --system) system=1 ;;
   esac
 done
-.venv/bin/python -m pip install -q -e ".${extras}"
-# pyfuse3 with the operations it lacks (fallocate, lseek, copy_file_range, DONT_MASK):
-# patches/pyfuse3-3.5.0.patch on its sdist, rebuilt whenever the patch changes. After the
-# package's dependencies, which the patched build (--no-deps) and its import check need.
+# pyfuse3 with the operations it lacks (fallocate, lseek, copy_file_range, DONT_MASK...):
+# patches/pyfuse3-3.5.0.patch on its sdist, built once per patch (PyPI has no wheel of 3.5.0)
+# and handed to pip with the package, so the unpatched sdist is never built.
+pyfuse3_wheel=$(scripts/build-pyfuse3.sh .venv/bin/python --wheel)
+step "installing rpmemfs${extras} and its Python dependencies into .venv" \
+  .venv/bin/python -m pip install -q -e ".${extras}" "$pyfuse3_wheel"
+# Stamps the patch's hash beside pyfuse3 (and puts the patched one back if pip kept another).
 scripts/build-pyfuse3.sh .venv/bin/python
 if [ "$system" = 1 ]; then
   # rpmemfs on PATH and the mount(8) helper, so `mount -t fuse.rpmemfs` and fstab work; the
