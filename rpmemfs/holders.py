@@ -30,13 +30,36 @@ def lock_holders(fd: int) -> list[int]:
     return pids
 
 
-def describe_process(pid: int) -> str:
-    """'pid N (command line) since HH:MM:SS', as far as /proc tells."""
+def _argv(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
-        cmd = ""
+        return []
+
+
+def rpmemfs_command(pid: int) -> str | None:
+    """The rpmemfs command process ``pid`` runs ("target", "mount", "sync", ...) as its command
+    line says (`rpmemfs CMD`, `python -m rpmemfs.cli CMD`, `python -m rpmemfs.target`); None
+    for another program."""
+    argv = _argv(pid)
+    for i, arg in enumerate(argv):
+        if arg == "rpmemfs.target":
+            return "target"
+        if arg == "rpmemfs.cli" or os.path.basename(arg) == "rpmemfs":
+            rest = iter(argv[i + 1:])
+            for word in rest:
+                if word in ("--log-level", "--wire-protection"):
+                    next(rest, None)  # the global option's value
+                elif not word.startswith("-"):
+                    return word
+            return None
+    return None
+
+
+def describe_process(pid: int) -> str:
+    """'pid N (command line) since HH:MM:SS', as far as /proc tells."""
+    cmd = " ".join(_argv(pid))
     since = ""
     try:
         with open(f"/proc/{pid}/stat") as f:

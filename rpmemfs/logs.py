@@ -2,7 +2,9 @@
 
 Where lines go: stderr (the CLI, daemons in the foreground, units under systemd), a file
 (`-o log=FILE`), or syslog for a mount that forked off without a file (mount(8) and fstab
-mounts would otherwise log to nowhere; under systemd, /dev/log is the journal's).
+mounts would otherwise log to nowhere; under systemd, /dev/log is the journal's), and where
+there is no syslog socket either, a file the mount names (``to_file``). ``destination`` says
+where they go, for the messages that send an administrator there.
 
 Under systemd (stderr is the journal: $JOURNAL_STREAM names it) a line carries its priority as
 a `<N>` prefix, which journald takes as the entry's level, and no timestamp of its own (the
@@ -124,3 +126,33 @@ def to_syslog(level: str, ident: str = "rpmemfs") -> bool:
     handler.setFormatter(_KeyValue(timestamps=False))
     _install(handler, level)
     return True
+
+
+def to_file(level: str, path: str) -> None:
+    """Send the lines, and whatever else reaches stderr (fd 2), to the file at ``path``:
+    appended to, created mode 0600, never through a symbolic link. OSError when it cannot be
+    opened (nothing changed then)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    setup(level, sys.stderr)
+
+
+def destination() -> str:
+    """Where the lines go now, as a message names it: syslog, a file's path, or stderr."""
+    handler = next(iter(logging.getLogger("rpmemfs").handlers), None)
+    if isinstance(handler, logging.handlers.SysLogHandler):
+        return f"syslog, as {handler.ident.rstrip(': ')}"
+    stream = getattr(handler, "stream", None)
+    if stream is None:
+        return "stderr"  # (logging's last resort, with no handler)
+    try:
+        fd = stream.fileno()
+        target, kind = os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):
+        return "stderr"
+    if target == os.devnull:
+        return "nowhere (stderr is /dev/null)"
+    if stat.S_ISREG(kind):
+        return target
+    return "the journal (stderr)" if _journal_stream(stream) else "stderr"

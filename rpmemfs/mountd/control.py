@@ -24,6 +24,7 @@ import os
 import select
 import socket
 import stat
+import struct
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -75,6 +76,12 @@ def socket_path(mountpoint: str, *, resolved: bool = False) -> str:
     path = mountpoint if resolved else os.path.realpath(mountpoint)
     key = hashlib.sha256(path.encode()).hexdigest()[:20]
     return os.path.join(socket_dir(), key + ".sock")
+
+
+def log_path(socket: str) -> str:
+    """Where the daemon with the control socket ``socket`` logs when it forked off with
+    neither `-o log=` nor a syslog socket: beside the socket, in its user's directory."""
+    return socket.removesuffix(".sock") + ".log"
 
 
 class Asker:
@@ -217,6 +224,19 @@ def _connect(path: str, timeout: float | None) -> socket.socket:
         s.close()
         raise
     return s
+
+
+def listener_pid(point: str, timeout: float = 2.0) -> int | None:
+    """The pid of the daemon listening on the control socket of the mount at ``point`` (the
+    kernel's path), from the socket's credentials: nothing is asked of the daemon, so one that
+    is stuck tells it too. None when nobody listens there."""
+    try:
+        with _connect(socket_path(point, resolved=True), timeout) as s:
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid or None
 
 
 def query(mountpoint: str, request: str = "status", timeout: float | None = 10.0,

@@ -17,6 +17,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from rpmemfs import logs
 from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError, StaleTable
 from rpmemfs.fs.filesystem import Filesystem
 from rpmemfs.fuse import Operations
@@ -24,7 +25,7 @@ from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.membership import Membership
 from rpmemfs.mountd.options import MountOptions
-from rpmemfs.mountd.unmount import Ending
+from rpmemfs.mountd.unmount import Ending, clear_mountpoint
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import write_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch, show_epoch
@@ -35,7 +36,7 @@ from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import VerifyReport, content_size, pool_chunk
 from rpmemfs.transport.base import TransportError
-from rpmemfs.transport.tokens import TokenError, read_token_file
+from rpmemfs.transport.tokens import TokenError, chosen_token
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -58,10 +59,7 @@ class Mounted:
         self.mountpoint = os.path.abspath(mountpoint)
         if not os.path.exists(self.pool):
             raise MountError(f"pool {pool} does not exist")
-        if not os.path.isdir(self.mountpoint):
-            raise MountError(f"mountpoint {mountpoint} is not a directory")
-        if os.path.ismount(self.mountpoint):
-            raise MountError(f"{mountpoint} is already a mount point")
+        clear_mountpoint(mountpoint, "rpmemfs:" + self.pool)  # a dead mount of this pool goes
         self.control_path = control.socket_path(self.mountpoint)
         try:
             control.prepare_dir(self.control_path)  # refused before anything is claimed
@@ -148,10 +146,10 @@ class Mounted:
                        "seconds": round(fs.replay_stats[2], 4), "tail_records": fs.replay_tail[0],
                        "tail_bytes": fs.replay_tail[1]},
             "open_seconds": round(self.open_seconds, 4),
-            "pid": os.getpid(),
+            "pid": os.getpid(), "daemon_log": logs.destination(),
             "min_replicas": self.min_replicas,
             "epoch": show_epoch(fs.hdr.epoch),
-            "fenced": self.fenced,
+            "fenced": self.fenced or (self.replicas.taken_over() if self.replicas is not None else None),
             "commit": self.committer.status() if self.committer is not None else {"seconds": 0},
             "replicas": self._replica_status(),
             "oldest_barrier_s": (round(self.replicas.oldest_in_flight(), 3)
@@ -191,8 +189,7 @@ class Mounted:
         self._populator.start()
 
     def _begin(self, epoch: int) -> None:
-        """This mount's epoch is settled: write it into the pool (when it moved) and start the
-        sync map under it."""
+        """This mount's epoch is settled: into the pool (when it moved), and the sync map under it."""
         if epoch != self.fs.hdr.epoch:
             self.fs.hdr = replace(self.fs.hdr, epoch=epoch)
             self.header_ranges = write_header(self.mapping.buf, self.fs.hdr)
@@ -212,7 +209,7 @@ class Mounted:
             self._begin(self.prev_epoch)
             return
         try:
-            token = read_token_file(self.token_file) if self.token_file else None
+            token = chosen_token(self.mo.token_file, self.table_token_file)
         except (TokenError, OSError) as e:
             raise MountError(f"token file {self.token_file}: {e}") from None
         probes = await probe_replicas(self.specs, token, self.mo.replica_timeout)
@@ -287,7 +284,7 @@ class Mounted:
             log.info("SIGHUP: no token file: connections use the local token as it is when they open")
             return
         try:
-            token = read_token_file(self.token_file)
+            token = chosen_token(self.mo.token_file, self.table_token_file)
         except (TokenError, OSError) as e:
             log.error("SIGHUP: token file %s not reread, the token in use stays: %s", self.token_file, e)
             return
@@ -482,8 +479,8 @@ class Mounted:
             elif not served:
                 last["error"] = "the mount was refused before it served; the pool is as it was"
             else:
-                last["error"] = ("the last durability point did not reach the replicas it needed "
-                                 "(see the daemon's log); the next mount compares them in full")
+                last["error"] = ("the last durability point did not reach the replicas it needed (its log "
+                                 f"says why: {logs.destination()}); the next mount compares them in full")
         except Exception as e:
             last["error"] = f"the pool could not be made durable: {e}"
             raise

@@ -170,8 +170,8 @@ OPTIONS: dict[str, tuple[bool, str, str, Callable[[MountOptions, str], None]]] =
                     _set("allow_other", True)),
     "metrics": (True, "metrics=HOST:PORT", "serve Prometheus metrics at http://HOST:PORT/metrics",
                 _metrics),
-    "log": (True, "log=FILE", "log to FILE (default: stderr in the foreground, else syslog)",
-            _text("log_file")),
+    "log": (True, "log=FILE", "log to FILE (default: stderr in the foreground, else syslog, or "
+            "without one a file `rpmemfs status` names)", _text("log_file")),
     "log_level": (True, "log_level=LEVEL", f"{'|'.join(LOG_LEVELS)} (default warning)", _log_level),
     "debug": (False, "debug", "the same as log_level=debug", _set("log_level", "debug")),
 }

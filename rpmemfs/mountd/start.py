@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import trio
 
 from rpmemfs import logs
+from rpmemfs.mountd import control
 from rpmemfs.mountd.daemon import Mounted
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.options import MountOptions, parse_options
 from rpmemfs.sdnotify import notify
 from rpmemfs.transport import protection
+
+log = logging.getLogger("rpmemfs.mount")
 
 
 def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
@@ -62,12 +66,12 @@ def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
         def ready() -> None:
             os.write(wfd, b"ok")
             os.close(wfd)
-            if not mo.log_file:
-                # Forked off by mount(8), fstab or a shell: stderr is nobody's from here on.
-                logs.to_syslog(mo.log_level, "rpmemfs-mount")
             devnull = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1) if mo.log_file else (0, 1, 2):
                 os.dup2(devnull, fd)
+            # Forked off by mount(8), fstab or a shell: stderr is nobody's from here on.
+            if not mo.log_file and not logs.to_syslog(mo.log_level, "rpmemfs-mount"):
+                _log_beside_socket(m, mo.log_level)
 
         try:
             trio.run(m.serve, ready)
@@ -78,3 +82,16 @@ def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:
             m.finish()
     finally:
         os._exit(code)
+
+
+def _log_beside_socket(m: Mounted, level: str) -> None:
+    """No syslog socket (a container, a minimal system): the log goes to a file beside the
+    control socket, in a directory of the mount's user alone, rather than nowhere; `rpmemfs
+    status` and umount's messages name it, and its first line from this mount says whose it is."""
+    path = control.log_path(m.control_path)
+    try:
+        logs.to_file(level, path)
+    except OSError:
+        return  # nowhere to say so: status and umount's messages say it logs nowhere
+    log.warning("no syslog socket: the mount of %s at %s (pid %d) logs here, %s", m.pool,
+                m.mountpoint, os.getpid(), path)

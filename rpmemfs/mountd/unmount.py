@@ -1,5 +1,6 @@
 """How a mount ends: `rpmemfs umount` and signals on the daemon's side (Ending), and taking a
-mount out of the kernel's table without touching it (for the daemon and for the CLI).
+mount out of the kernel's table without touching it (for the daemon and for the CLI), a dead
+one left by a daemon that was killed too (clear_mountpoint, before the next mount there).
 
 A FUSE daemon is not told when its mount is unmounted (the kernel sends DESTROY only for
 fuseblk mounts); it sees its /dev/fuse end once the last user of the mount is gone, and only
@@ -26,6 +27,7 @@ import errno
 import logging
 import os
 import signal
+import stat
 import subprocess
 import threading
 from collections.abc import Callable
@@ -34,7 +36,8 @@ from typing import Any
 import trio
 
 from rpmemfs.mountd import control
-from rpmemfs.mountinfo import mount_at
+from rpmemfs.mountd.errors import MountError
+from rpmemfs.mountinfo import MountEntry, mount_at
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -98,6 +101,49 @@ def connection_lost(point: str, timeout: float = 2.0) -> bool:
     t.start()
     t.join(timeout)
     return result == [errno.ENOTCONN]
+
+
+def dead_mount(entry: MountEntry) -> str:
+    """What a dead mount (its daemon killed, say) is, and what takes it away, for a message."""
+    if entry.fstype == "fuse.rpmemfs":
+        what, how = f"pool {entry.source.removeprefix('rpmemfs:')}", "rpmemfs umount"
+    else:
+        what, how = f"{entry.source} ({entry.fstype})", "umount"
+    return (f"{entry.mountpoint} is a dead mount of {what} (its daemon has died): `{how} "
+            f"{entry.mountpoint}` takes it away")
+
+
+def clear_mountpoint(mountpoint: str, source: str) -> None:
+    """Make sure a mount of ``source`` may go on ``mountpoint``: an existing directory with
+    nothing mounted on it. A dead mount of the same source (its daemon was killed) is ours to
+    take away, and is: the first mount after a crash needs no `rpmemfs umount` first. Anything
+    else mounted there is a MountError naming it."""
+    point = kernel_path(mountpoint)
+    top = mount_at(point)
+    if top is not None:
+        if not connection_lost(point):
+            raise MountError(f"{mountpoint} is already a mount point ({top.source}, {top.fstype})")
+        if top.source != source or top.fstype != "fuse.rpmemfs":
+            raise MountError(f"{dead_mount(top)}; mount there after that")
+        try:
+            # Lazily: files still open on it are answered ENOTCONN whatever is done.
+            detach(point, source, lazy=True)
+        except OSError as e:
+            raise MountError(f"{dead_mount(top)}; it cannot be taken away here: "
+                             f"{e.strerror or e}") from None
+        log.warning("cleared the dead mount of this pool on %s (its daemon had died); the pool "
+                    "was not closed clean: its log is replayed and its replicas compared in full",
+                    mountpoint)
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as e:
+        raise MountError(f"mountpoint {mountpoint}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+    if mount_at(point) is not None:  # another one under the dead one
+        raise MountError(f"{mountpoint} is already a mount point")
 
 
 class Ending:

@@ -56,6 +56,7 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
                 probe = read_probe(spec, await session.probe_pool(spec.name))
                 problem = check_probe(probe, size, uuid, epoch, takeover)
                 replica.resync_marked = probe.resync is not None
+                replica.taken_over = probe.owned_by() if taken_over(probe, epoch, takeover) else None
             replica.claimed = epoch is not None
             if problem is None:
                 region = await session.open_pool(spec.name, epoch, holder=holder, takeover=takeover)
@@ -77,6 +78,12 @@ async def open_session(replica: Replica, tp: Transport, size: int, uuid: bytes, 
     raise ReplicaUnusable(problem)
 
 
+def taken_over(p: Probe, epoch: tuple[int, int], takeover: bool = False) -> bool:
+    """Whether another primary claimed the replica since this lineage's epoch ``epoch[0]``
+    (the pool's before this mount) and holds it now: this mount (at ``epoch[1]``) is fenced."""
+    return not takeover and p.epoch != epoch[1] and p.newer_than(epoch[0])
+
+
 def check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int],
                  takeover: bool = False) -> str | None:
     """Why claiming this replica would be wrong, from what its target said, or None."""
@@ -85,9 +92,10 @@ def check_probe(p: Probe, size: int, uuid: bytes, epoch: tuple[int, int],
     if p.uuid is not None and p.uuid != uuid:
         return (f"replica {p.spec}: remote pool uuid {show_uuid(p.uuid)} does not match the local "
                 f"pool uuid {show_uuid(uuid)}; it is not a replica of this pool")
-    if not takeover and p.epoch != epoch[1] and p.newer_than(epoch[0]):
-        return (f"replica {p.spec} was taken over: it is held by {p.owned_by()}, and this pool was "
-                f"at epoch {show_epoch(epoch[0])}; it is fenced from writing it (see docs/failover.md)")
+    if taken_over(p, epoch, takeover):
+        # The epoch this mount claimed (what its status shows), not the pool's before it.
+        return (f"replica {p.spec} was taken over: it is held by {p.owned_by()}, and this mount is "
+                f"at epoch {show_epoch(epoch[1])}; it is fenced from writing it (see docs/failover.md)")
     return None
 
 

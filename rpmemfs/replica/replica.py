@@ -107,6 +107,9 @@ class Replica:
         # When it last left in-sync (or was created): how long it has been behind.
         self.behind_since: float | None = time.time()
         self.claimed = False  # its session claimed the pool (only a claimant may mark a resync)
+        # Who holds it, as its target said at the last attempt, when another primary claimed it
+        # since this mount's epoch (a failover): this mount is fenced from it.
+        self.taken_over: str | None = None
         # Set whenever the replica falls out of sync: its keeper reconnects it.
         self.fell_behind = trio.Event()
         # Times it joined: an asynchronous sender that served it before it fell behind must

@@ -244,9 +244,12 @@ class ReplicaSet(Barriers):
                 on_change()
             else:
                 why = replica.last_error or ""
-                if why != told:
+                if why != told and replica.taken_over:
+                    # What an administrator must act on (docs/failover.md), at the default level.
+                    log.error("fenced: %s", why)
+                elif why != told:
                     log.info("replica %s still unusable: %s", replica.spec, why)
-                    told = why
+                told = why
                 backoff = min(backoff * 2, self.max_reconnect)
 
     async def _until_retry(self, replica: Replica, delay: float) -> None:
@@ -277,6 +280,12 @@ class ReplicaSet(Barriers):
 
     def status(self) -> list[dict[str, Any]]:
         return [{**r.status(), "lag_bytes": self.lag(r)} for r in self.replicas]
+
+    def taken_over(self) -> str | None:
+        """Which replicas another primary holds since this mount claimed them (a failover
+        fenced this mount from them), and who holds each; None when none."""
+        held = [f"replica {r.spec} is held by {r.taken_over}" for r in self.replicas if r.taken_over]
+        return "; ".join(held) or None
 
     def lag(self, replica: Replica) -> int | None:
         """Bytes the replica misses (0 in sync), as the sync map counts them (whole chunks);

@@ -14,12 +14,13 @@ from typing import Any
 from rpmemfs.latency import BOUNDS_S, bucket_quantile
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.tcp import connect
-from rpmemfs.units import human
+from rpmemfs.units import count, human
 
 SCHEMES = ("tcp://", "rdma://")
 
 
-def _plain(address: str) -> str:
+def plain_address(address: str) -> str:
+    """HOST:PORT of ``[tcp://|rdma://]HOST:PORT``; ValueError with the reason."""
     for scheme in SCHEMES:
         if address.startswith(scheme):
             address = address[len(scheme):]
@@ -29,7 +30,7 @@ def _plain(address: str) -> str:
 
 async def ask(address: str, token: bytes | None, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One control request to the target at ``address`` (its control port is TCP always)."""
-    async with await connect(_plain(address), token, lanes=0, timeout=timeout) as session:
+    async with await connect(plain_address(address), token, lanes=0, timeout=timeout) as session:
         return await session.control(request)
 
 
@@ -65,6 +66,6 @@ def format_pools(address: str, pools: dict[str, Any]) -> str:
                      f"UNFINISHED since {_when(owner['resync'].get('since'))}"
                      if owner.get("resync") else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"target {address}: {len(pools)} pools"]
+    lines = [f"target {address}: {count(len(pools), 'pool')}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)

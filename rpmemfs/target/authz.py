@@ -15,14 +15,15 @@ registration) need an ``admin`` token.
 
 from __future__ import annotations
 
+import collections
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rpmemfs.target.errors import TargetError
 from rpmemfs.target.pools import PoolError
-from rpmemfs.transport.tokens import TokenError, key_id, read_token_file
+from rpmemfs.transport.tokens import TokenError, key_id, read_tokens
 
 ROLES = ("admin", "pools")
 DEFAULT_NAME = "default"
@@ -66,19 +67,27 @@ class TokenBook:
     def __init__(self) -> None:
         self._by_id: dict[bytes, tuple[bytes, Grant]] = {}
 
-    def add(self, token: bytes, grant: Grant) -> None:
-        kid = key_id(token)
-        if kid in self._by_id:
-            raise AuthzError(f"token {grant.name!r} is the same token as {self._by_id[kid][1].name!r}")
+    def add(self, tokens: Sequence[bytes], grant: Grant) -> None:
+        """Accept ``tokens`` (one token file's: several while it is being rotated) for ``grant``."""
         if any(g.name == grant.name for _, g in self._by_id.values()):
             raise AuthzError(f"two tokens are named {grant.name!r}")
-        self._by_id[kid] = (token, grant)
+        for token in tokens:
+            kid = key_id(token)
+            if kid in self._by_id:
+                raise AuthzError(f"token {grant.name!r} is the same token as {self._by_id[kid][1].name!r}")
+            self._by_id[kid] = (token, grant)
 
     def find(self, kid: bytes) -> tuple[bytes, Grant] | None:
         return self._by_id.get(bytes(kid))
 
     def grants(self) -> Iterable[Grant]:
-        return (g for _, g in self._by_id.values())
+        return dict.fromkeys(g for _, g in self._by_id.values())
+
+    def describe(self) -> str:
+        """For the log: each name, its role, and how many tokens it has."""
+        counts = collections.Counter(g for _, g in self._by_id.values())
+        return ", ".join(f"{g.name} ({'admin' if g.admin else 'pools'}, {n} token{'s' if n > 1 else ''})"
+                         for g, n in counts.items())
 
     def replace_with(self, other: TokenBook) -> None:
         """Accept ``other``'s tokens from now on (a reload); sessions already open keep theirs."""
@@ -107,10 +116,10 @@ def read_authz(path: str, book: TokenBook) -> None:
         if role == "admin" and patterns:
             raise AuthzError(f"{where}: an admin token may use every pool; give it no patterns")
         try:
-            token = read_token_file(token_file)
+            tokens = read_tokens(token_file)
         except TokenError as exc:
             raise AuthzError(f"{where}: {exc.reason}") from None
         try:
-            book.add(token, Grant(name, role == "admin", patterns))
+            book.add(tokens, Grant(name, role == "admin", patterns))
         except AuthzError as exc:
             raise AuthzError(f"{where}: {exc}") from None

@@ -31,7 +31,7 @@ from rpmemfs.transport.tokens import (
     TokenError,
     default_state_dir,
     generated_token,
-    read_token_file,
+    read_tokens,
 )
 from rpmemfs.units import parse_size
 
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-dir", required=True, metavar="DIR", help="directory that holds the pools")
     p.add_argument(
         "--token-file", metavar="F",
-        help="the admin token initiators must hold (default: one generated in the state directory)",
+        help="the admin token initiators must hold, one a line (a rotation adds the new one beside "
+        "the old; SIGHUP rereads it); default: one generated in the state directory",
     )
     p.add_argument(
         "--state-dir", metavar="DIR",
@@ -118,14 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _own_token(args: argparse.Namespace) -> bytes:
-    """The target's admin token: --token-file's, or the one in the state directory."""
+def _own_tokens(args: argparse.Namespace) -> list[bytes]:
+    """The target's admin tokens: --token-file's, or the state directory's (one, unless a
+    rotation added another beside it)."""
     if args.token_file:
-        return read_token_file(args.token_file)
-    token, path = generated_token(args.state_dir or default_state_dir())
+        return read_tokens(args.token_file)
+    tokens, path = generated_token(args.state_dir or default_state_dir())
     log.info("no --token-file: initiators must hold the token in %s (this user's mounts and rpmemfs "
              "commands on this host use it; give others a copy and --token-file)", path)
-    return token
+    return tokens
 
 
 def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
@@ -153,7 +155,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     pool_dir = os.path.realpath(args.pool_dir)
     def load_tokens() -> TokenBook:
         book = TokenBook()
-        book.add(_own_token(args), Grant(DEFAULT_NAME, admin=True))
+        book.add(_own_tokens(args), Grant(DEFAULT_NAME, admin=True))
         if args.authz:
             read_authz(args.authz, book)
         return book

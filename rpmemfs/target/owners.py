@@ -117,8 +117,9 @@ def refusal(owner: Owner | None, prev: int, cur: int, takeover: bool) -> str | N
                 f"epoch {show_epoch(cur)}; another takeover won")
     if recorded in (prev, cur) or epoch_gen(recorded) < epoch_gen(prev):
         return None
-    return (f"it is held by {owner.describe()}, but this initiator was at epoch "
-            f"{show_epoch(prev)}: the pool was taken over since (a failover) and has moved on; "
+    # The epoch it claims under (a running mount's own, as its status shows), not ``prev``.
+    return (f"it is held by {owner.describe()}, but this initiator claims it at epoch "
+            f"{show_epoch(cur)}: the pool was taken over since (a failover) and has moved on; "
             "refusing to let an older owner write it (see docs/failover.md)")
 
 

@@ -111,9 +111,7 @@ class Server:
                 log.info(
                     "target on %s serving %s: method %s, pmem %s, wire protection %s, tokens %s",
                     address, self.config.pool_dir, self.config.method, self.config.pmem_kind,
-                    self.info["wire_protection"],
-                    ", ".join(f"{g.name} ({'admin' if g.admin else 'pools'})"
-                              for g in self.config.tokens.grants()),
+                    self.info["wire_protection"], self.config.tokens.describe(),
                 )
                 try:
                     async with trio.open_nursery() as nursery:
@@ -180,8 +178,7 @@ class Server:
             notify("STATUS=token reload failed; the previous tokens stay in use")
             return
         self.config.tokens.replace_with(book)
-        log.info("SIGHUP: tokens reread: %s", ", ".join(
-            f"{g.name} ({'admin' if g.admin else 'pools'})" for g in book.grants()))
+        log.info("SIGHUP: tokens reread: %s", book.describe())
 
     async def _accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         while True:

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import trio
 
-from rpmemfs.transport import auth, protection
+from rpmemfs.transport import auth, protection, tokens
 from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
 from rpmemfs.transport.stream import FrameReader, PeerClosed, _advance, send_all, send_nowait
@@ -389,6 +389,13 @@ async def open_connection(
         tune(sock, send_buffer=SEND_BUFFER)
         conn = Connection(SockIO(sock), peer, timeout)
         session, info = await conn.handshake(token, role, session_id, protect)
+    except TransportError as exc:
+        sock.close()
+        if exc.code != Code.AUTH_FAILED:
+            raise
+        # Which token file was tried is what a user needs to know to fix it.
+        raise TransportError(peer, exc.reason + tokens.refused_hint(token), code=exc.code,
+                             lane_lost=exc.lane_lost) from None
     except BaseException:
         sock.close()
         raise

@@ -452,7 +452,7 @@ async def connect(
     peer = format_address(host, port)
     secret = token if token is not None else tokens.local_token()
     if secret is None:
-        raise TransportError(peer, tokens.NO_TOKEN)
+        raise TransportError(peer, tokens.no_token())
     try:
         protect = protection.initiator_protects()
     except ValueError as exc:

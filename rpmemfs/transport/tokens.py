@@ -11,6 +11,10 @@ so on one host, whoever may read that file (its owner, root) reaches that user's
 and nobody else gets anything. The default state directory is $RPMEMFS_STATE_DIR when set,
 else /var/lib/rpmemfs for root and $XDG_STATE_HOME/rpmemfs (~/.local/state/rpmemfs) for
 other users.
+
+A token file may hold several tokens, one a line: a target accepts every one of them, and an
+initiator proves the last (the newest). So a token is rotated by adding the new one beside
+the old, and then removing the old one (docs/access.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import os
 import re
 import secrets
 import stat
+from enum import Enum
+from typing import Self
 
 from rpmemfs.transport.base import TransportError
 
@@ -31,11 +37,7 @@ KEY_ID_SIZE = 16
 STATE_ENV = "RPMEMFS_STATE_DIR"
 ROOT_STATE_DIR = "/var/lib/rpmemfs"
 TOKEN_NAME = "token"
-NO_TOKEN = (
-    "no token: give one (--token-file, or the mount option token_file=), or run as the user whose "
-    f"local target generated its token in its state directory (${STATE_ENV}, /var/lib/rpmemfs for "
-    "root, $XDG_STATE_HOME/rpmemfs for a user)"
-)
+NAME_ANOTHER = "name the target's token file with --token-file F (a mount: -o token_file=F)"
 _KEY_ID_LABEL = b"rpmemfs token id\x00"
 _HEX = re.compile(rb"[0-9a-fA-F]+")
 _BASE64 = re.compile(rb"[A-Za-z0-9+/=_-]+")
@@ -64,15 +66,43 @@ def key_id(token: bytes) -> bytes:
     return hashlib.sha256(_KEY_ID_LABEL + token).digest()[:KEY_ID_SIZE]
 
 
+class Origin(Enum):
+    """How an initiator's token was chosen; the text names its file in a refusal's message."""
+
+    GIVEN = "the token file given, {path}"
+    RECORDED = "the token file recorded in the pool, {path}"
+    LOCAL = "this user's local token, {path} (used when no token file is given)"
+
+
+class Token(bytes):
+    """The token an initiator proves, with the file it came from: when a target refuses it,
+    the message says which file that was (a wrong default is the usual cause)."""
+
+    path: str
+    origin: Origin
+
+    def __new__(cls, value: bytes, path: str, origin: Origin) -> Self:
+        token = super().__new__(cls, value)
+        token.path, token.origin = path, origin
+        return token
+
+
+def refused_hint(token: bytes) -> str:
+    """What a refusal of ``token`` adds to its message: which token file was tried, and how
+    to name another."""
+    if not isinstance(token, Token):
+        return ""
+    return f"; the token tried is {token.origin.value.format(path=token.path)}: {NAME_ANOTHER}"
+
+
 def _private(st: os.stat_result, what: str) -> None:
     """Refuse a file or directory that someone other than its owner could use or change."""
     if st.st_uid not in (os.geteuid(), 0):
         raise TokenError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
 
 
-def read_token_file(path: str) -> bytes:
-    """The token in ``path``: its bytes with surrounding whitespace stripped; TokenError when
-    the file is not a private regular file or the token is too short."""
+def _read_private(path: str) -> bytes:
+    """What ``path`` holds; TokenError unless it is a private regular file of this user."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
@@ -89,19 +119,47 @@ def read_token_file(path: str) -> bytes:
             )
         if st.st_size > MAX_TOKEN_FILE:
             raise TokenError(f"token file {path} is larger than {MAX_TOKEN_FILE} bytes")
-        token = os.read(fd, MAX_TOKEN_FILE).strip()
+        return os.read(fd, MAX_TOKEN_FILE)
     except OSError as exc:
         raise TokenError(f"cannot read token file {path}: {exc.strerror}") from exc
     finally:
         os.close(fd)
-    if not token:
+
+
+def read_tokens(path: str) -> list[bytes]:
+    """Every token in ``path``, one a line (surrounding whitespace stripped, blank lines and
+    repeats skipped), as a target accepts them; TokenError when the file is not a private
+    regular file, holds none, or one of them is too short."""
+    lines = _read_private(path).splitlines()
+    found: list[bytes] = []
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if not token or token in found:
+            continue
+        if token_bits(token) < MIN_TOKEN_BITS:
+            where = f"line {number} of {path}" if len(lines) > 1 else path
+            raise TokenError(
+                f"the token in {where} holds at most {token_bits(token)} bits; at least "
+                f"{MIN_TOKEN_BITS} are needed (make one with `rpmemfs token new FILE`)"
+            )
+        found.append(token)
+    if not found:
         raise TokenError(f"token file {path} is empty")
-    if token_bits(token) < MIN_TOKEN_BITS:
-        raise TokenError(
-            f"the token in {path} holds at most {token_bits(token)} bits; at least {MIN_TOKEN_BITS} "
-            "are needed (make one with `rpmemfs token new FILE`)"
-        )
-    return token
+    return found
+
+
+def read_token_file(path: str, origin: Origin = Origin.GIVEN) -> Token:
+    """The token an initiator proves from ``path``: its last (newest) one; TokenError as
+    read_tokens."""
+    return Token(read_tokens(path)[-1], path, origin)
+
+
+def chosen_token(given: str | None, recorded: str | None) -> Token | None:
+    """The token an initiator proves: the token file given, else the one its pool records,
+    else None (its user's local token, read when it connects)."""
+    if given:
+        return read_token_file(given, Origin.GIVEN)
+    return read_token_file(recorded, Origin.RECORDED) if recorded else None
 
 
 def new_token_file(path: str) -> None:
@@ -156,9 +214,9 @@ def make_state_dir(path: str) -> None:
     check_state_dir(path)
 
 
-def generated_token(state_dir: str) -> tuple[bytes, str]:
-    """The token a target without --token-file uses: the one in ``state_dir`` (made there
-    now, if there is none yet) and its path."""
+def generated_token(state_dir: str) -> tuple[list[bytes], str]:
+    """The tokens a target without --token-file accepts: those in ``state_dir``'s token file
+    (made there now, with one token, if there is none yet), and its path."""
     make_state_dir(state_dir)
     path = os.path.join(state_dir, TOKEN_NAME)
     if not os.path.lexists(path):
@@ -175,10 +233,10 @@ def generated_token(state_dir: str) -> tuple[bytes, str]:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return read_token_file(path), path
+    return read_tokens(path), path
 
 
-def local_token() -> bytes | None:
+def local_token() -> Token | None:
     """The token of this user's local targets (see the module's text), or None when there
     is none this user may read."""
     state_dir = default_state_dir()
@@ -186,4 +244,12 @@ def local_token() -> bytes | None:
     if not os.path.lexists(path):
         return None
     check_state_dir(state_dir)
-    return read_token_file(path)
+    return read_token_file(path, Origin.LOCAL)
+
+
+def no_token() -> str:
+    """Why an initiator given no token has none, and what to do."""
+    path = os.path.join(default_state_dir(), TOKEN_NAME)
+    return (f"no token: none was given and this user has no local token ({path} does not exist): "
+            f"{NAME_ANOTHER}, or run as the user whose local target generated its token there "
+            f"(${STATE_ENV}, /var/lib/rpmemfs for root, $XDG_STATE_HOME/rpmemfs for a user)")

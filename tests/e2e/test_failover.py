@@ -11,14 +11,18 @@ target records beside the pool (target/owners.py) before any byte is written.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import shutil
 from pathlib import Path
 
+import pytest
 from conftest import MountPool
 from helpers import (
     assert_check_clean,
     cli,
+    describe,
     mkfs_replicated,
     pool_content,
     replica_file,
@@ -195,6 +199,46 @@ def test_promote_fences_the_old_primary_before_the_new_one_is_even_mounted(
     q.unmount()
     for t in targets:
         assert pool_content(replica_file(t)) == pool_content(new), t.address
+
+
+def test_a_running_primary_a_promote_fenced_says_so_and_names_a_log_that_says_why(
+        work_dir: Path, targets: list[TargetProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mounted as mount(8) and fstab mount it (forked off, no -o log) on a node with no syslog
+    socket: fenced while it runs, it says so in status and leaves its reason where umount says."""
+    monkeypatch.setenv("RPMEMFS_SYSLOG_SOCKET", str(work_dir / "no-syslog"))  # the mount inherits it
+    pool, mnt = work_dir / "app.pool", work_dir / "a"
+    mnt.mkdir()
+    mkfs_replicated(pool, targets)
+    res = cli("mount", pool, mnt, "-o", OPTS)
+    assert res.returncode == 0, res.stderr
+    try:
+        write_fsync(mnt / "before", b"b" * 9000)
+        own = status_json(mnt)["epoch"]
+        took = str(_promote(work_dir / "new.pool", targets[0])["epoch"])
+        _fsync_fails(mnt / "late")
+        assert wait_until(lambda: status_json(mnt)["fenced"] is not None, timeout=20), status_json(mnt)
+        res = cli("status", mnt, "--json")
+        assert res.returncode == 2, describe(res)  # failing
+        st = json.loads(res.stdout)
+        assert took in st["fenced"] and str(work_dir / "new.pool") in st["fenced"], st["fenced"]
+        for r in st["replicas"]:
+            # The owner record the target holds, and this mount's own epoch (what status shows).
+            assert set(re.findall(r"\b\d+:[0-9a-f]{8}\b", r["last_error"])) == {own, took}, r
+        res = cli("status", mnt)
+        assert res.returncode == 2, describe(res)
+        head = res.stdout.splitlines()[0]
+        assert "failing (fenced: " in head and took in head, res.stdout
+    finally:
+        res = cli("umount", mnt)
+    assert res.returncode == 1, describe(res)
+    named = re.search(r"(/[^\s,;()]+\.log)\b", res.stderr)
+    assert named, res.stderr
+    log = Path(named.group(1))
+    try:
+        lines = [ln for ln in log.read_text().splitlines() if "fenced" in ln]
+        assert any("taken over" in ln and took in ln for ln in lines), log.read_text()
+    finally:
+        log.unlink()
 
 
 def test_promote_with_a_replica_down_fences_it_when_it_returns(

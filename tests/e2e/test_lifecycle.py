@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -307,6 +308,42 @@ def test_rpmemfs_umount_refuses_what_it_cannot_unmount(work_dir: Path, make_pool
     assert not is_mounted(m.path)
     m.start()
     assert (m.path / "f").read_bytes() == b"after the pause"
+
+
+def test_the_next_mount_clears_a_dead_mount_of_its_pool_and_status_names_it(
+        work_dir: Path, make_pool: MakePool, mount_pool: MountPool) -> None:
+    pool, other = make_pool("16M"), make_pool("16M")
+    m = mount_pool(pool)
+    write_fsync(m.path / "f", b"before the crash")
+    m.kill_daemon()  # kill -9: its dead FUSE mount stays on the directory
+    assert is_mounted(m.path)
+    point = re.escape(os.path.realpath(m.path))
+    dead = rf"{point} is a dead mount of pool {re.escape(str(pool))} \(its daemon has died\)"
+    status = cli("status", m.path)
+    assert_clean_error(status, rf"{dead}.*rpmemfs umount {point}", one_line=True)
+    assert status.returncode == 3, describe(status)
+    # Nothing has the pool open any more: check reads it, and points there from the mount.
+    assert_clean_error(cli("check", m.path), rf"{dead}.*rpmemfs check {re.escape(str(pool))}",
+                       one_line=True)
+    assert cli("check", pool).returncode == 0
+    # Another pool is not mounted over it: what is there is named, and what to run.
+    res = cli("mount", other, m.path, "-o", "pmem=force")
+    assert_clean_error(res, rf"{dead}.*rpmemfs umount {point}", one_line=True)
+    assert is_mounted(m.path)
+    assert_clean_error(cli("mount", pool, work_dir / "nowhere", "-o", "pmem=force"),
+                       r"mountpoint \S*nowhere does not exist", one_line=True)
+    # Its own pool clears it and mounts there: the log replayed, nothing fsync'ed lost.
+    res = cli("mount", pool, m.path, "-o", "pmem=force")
+    assert res.returncode == 0, describe(res)
+    assert re.search(r"cleared the dead mount", res.stderr), describe(res)
+    try:
+        assert (m.path / "f").read_bytes() == b"before the crash"
+        assert status_json(m.path)["health"] == "healthy"
+    finally:
+        res = cli("umount", m.path)
+    assert res.returncode == 0, describe(res)
+    assert not is_mounted(m.path)
+    assert_check_clean(pool)
 
 
 def test_the_umount_helper_waits_for_the_daemon_and_leaves_lazy_unmounts_to_umount(

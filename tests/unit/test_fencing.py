@@ -12,7 +12,7 @@ import trio.testing
 from mempool import new_pool
 from memtransport import MemTarget, MemTransport
 
-from rpmemfs.pool.layout import next_epoch
+from rpmemfs.pool.layout import next_epoch, show_epoch
 from rpmemfs.replica import ReplicaSet, ReplicaSpec
 from rpmemfs.replica.fencing import probe_replicas
 from rpmemfs.target.owners import Owner, OwnerBook, refusal
@@ -34,6 +34,8 @@ def test_a_normal_claim_is_let_in_where_this_lineage_left_the_pool() -> None:
 def test_a_normal_claim_is_refused_once_another_initiator_claimed_the_pool() -> None:
     why = refusal(Owner(G2B, {"host": "nodeB", "pid": 7}), G1, G2A, False)
     assert why and "nodeB" in why and "taken over" in why
+    # The owner it holds now, and the epoch the initiator claims under (not the one before).
+    assert show_epoch(G2B) in why and show_epoch(G2A) in why and show_epoch(G1) not in why
     assert refusal(Owner(G3), G1, G2A, False)  # a generation ahead
     assert refusal(Owner(G2B), G2A, G3, False)  # same generation, another nonce
 
@@ -99,6 +101,13 @@ def test_an_old_primary_never_claims_or_writes_a_replica_another_one_claimed() -
             assert [r.state for r in rs.replicas] == ["in-sync", "stale"]
             assert "taken over" in (rs.replicas[1].last_error or "")
             assert "new-primary" in (rs.replicas[1].last_error or "")
+            # This mount's epoch (what its status shows) and the owner's; not the pool's before.
+            why = rs.replicas[1].last_error or ""
+            assert {show_epoch(e) for e in (G1, G2A, G2B) if show_epoch(e) in why} == {
+                show_epoch(G2A), show_epoch(G2B)}, why
+            held = rs.taken_over() or ""
+            assert f"replica {rig.specs[1]} is held by " in held and "new-primary" in held, held
+            assert str(rig.specs[0]) not in held, held
             rig.buf[8192:8200] = b"changed!"
             await rs.barrier([(8192, 8)])
         finally:

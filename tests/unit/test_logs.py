@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -79,4 +80,26 @@ def test_to_syslog_sends_to_the_socket_and_says_when_there_is_none(monkeypatch: 
         sink.close()
         os.unlink(path)
         os.rmdir(d)
+        logs.setup("warning")
+
+
+def test_destination_names_where_the_lines_go_for_a_message_to_send_its_reader_there(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = str(tmp_path / "mount.log")
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(tmp_path / "syslog"))
+    try:
+        with open(path, "a") as f:
+            logs.setup("info", f)
+            assert logs.destination() == path
+        with open(os.devnull, "w") as null:
+            logs.setup("info", null)
+            assert logs.destination().startswith("nowhere")
+        logs.setup("info", io.StringIO())
+        assert logs.destination() == "stderr"
+        monkeypatch.setenv("RPMEMFS_SYSLOG_SOCKET", str(tmp_path / "syslog"))
+        assert logs.to_syslog("info", "rpmemfs-mount")
+        assert logs.destination() == f"syslog, as rpmemfs-mount[{os.getpid()}]"
+    finally:
+        sink.close()
         logs.setup("warning")

@@ -12,11 +12,14 @@ from rpmemfs.target.authz import AuthzError, Grant, TokenBook, read_authz
 from rpmemfs.target.pools import PoolError
 from rpmemfs.transport.tokens import (
     MIN_TOKEN_BITS,
+    Origin,
     TokenError,
     generated_token,
     key_id,
     new_token_file,
     read_token_file,
+    read_tokens,
+    refused_hint,
     token_bits,
 )
 
@@ -73,13 +76,13 @@ def test_a_pools_grant_allows_its_patterns_only() -> None:
 def test_a_token_book_refuses_the_same_token_or_name_twice(tmp_path: Path) -> None:
     book = TokenBook()
     token = os.urandom(32)
-    book.add(token, Grant("a", admin=True))
+    book.add([token], Grant("a", admin=True))
     found = book.find(key_id(token))
     assert found is not None and found[1].name == "a"
     with pytest.raises(AuthzError, match="same token"):
-        book.add(token, Grant("b", admin=True))
+        book.add([token], Grant("b", admin=True))
     with pytest.raises(AuthzError, match="two tokens are named"):
-        book.add(os.urandom(32), Grant("a", admin=False, pools=("x",)))
+        book.add([os.urandom(32)], Grant("a", admin=False, pools=("x",)))
     tok = tmp_path / "alice"
     new_token_file(str(tok))
     rules = tmp_path / "authz"
@@ -88,3 +91,35 @@ def test_a_token_book_refuses_the_same_token_or_name_twice(tmp_path: Path) -> No
         read_authz(str(rules), book)
     found = book.find(key_id(read_token_file(str(tok))))
     assert found is not None and found[1] == Grant("alice", False, ("alice-*",))
+
+
+def test_a_token_file_may_hold_several_tokens_one_a_line(tmp_path: Path) -> None:
+    """Issue 28: a rotation adds the new token beside the old in the target's own token file;
+    the target accepts both, an initiator proves the newest (the last line)."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    new_token_file(str(old))
+    new_token_file(str(new))
+    both = tmp_path / "both"
+    both.write_bytes(old.read_bytes() + b"\n" + new.read_bytes() + old.read_bytes())
+    both.chmod(0o600)
+    assert read_tokens(str(both)) == [read_token_file(str(old)), read_token_file(str(new))]
+    assert read_token_file(str(both)) == read_token_file(str(new))
+    book = TokenBook()
+    book.add(read_tokens(str(both)), Grant("default", admin=True))
+    for t in (old, new):
+        found = book.find(key_id(read_token_file(str(t))))
+        assert found is not None and found[1].name == "default"
+    assert book.describe() == "default (admin, 2 tokens)"
+    both.write_bytes(new.read_bytes() + b"0123456789abcdef\n")
+    with pytest.raises(TokenError, match=f"the token in line 2 of {both} holds at most 64 bits"):
+        read_tokens(str(both))
+
+
+def test_an_initiators_token_says_which_file_it_came_from(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    new_token_file(str(path))
+    token = read_token_file(str(path), Origin.RECORDED)
+    assert token == path.read_bytes().strip()
+    hint = refused_hint(token)
+    assert f"the token file recorded in the pool, {path}" in hint and "--token-file F" in hint
+    assert refused_hint(bytes(token)) == ""  # raw bytes (tests, tools) name no file
