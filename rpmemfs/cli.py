@@ -5,6 +5,7 @@ This is the CLI edge: argparse dispatches every command (global options such as 
 work before or after it), and main() turns what a command raises into what a user sees, once:
 an error rpmemfs reports on purpose is one line on stderr and exit status 1, a usage error one
 line and status 2, anything else one "internal error" line (its traceback at --log-level debug).
+Output into a pipe whose reader has gone is dropped, and the command keeps its exit status.
 
 Why this module is long: it is the one place where every command's arguments are declared and
 what a command raises is mapped; each command's body is a few lines handing over to its layer
@@ -17,11 +18,12 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from rpmemfs import logs
 from rpmemfs.cliparse import ArgumentParser
@@ -47,36 +49,38 @@ def _progress(label: str) -> Callable[[int, int], None] | None:
     return bar.update if bar.shown else None
 
 
-def _token(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    from rpmemfs.transport.tokens import TokenError, read_token_file
+def _token(given: str | None, recorded: str | None = None) -> bytes | None:
+    """The token to prove: the token file given, else the one the pool records, else None
+    (the user's local token, read when connecting)."""
+    from rpmemfs.transport.tokens import TokenError, chosen_token
 
     try:
-        return read_token_file(path)
+        return chosen_token(given, recorded)
     except (TokenError, OSError) as e:
-        raise CliError(f"token file {path}: {e}") from None
+        raise CliError(f"token file {given or recorded}: {e}") from None
 
 
 def cmd_mkfs(args: argparse.Namespace) -> int:
+    from rpmemfs.fs.mkfs import device_at
     from rpmemfs.mountd.errors import ProvisionError
     from rpmemfs.mountd.provision import create_pool
-    from rpmemfs.replica.spec import ReplicaSpec, poolset_at
+    from rpmemfs.replica.spec import poolset_at
 
-    pool, size_text, specs = args.pool, args.size, []
+    pool, size_text, specs = args.pool, args.size, list(args.replica or [])
     try:
-        for text in args.replica or []:
-            specs.append(ReplicaSpec.parse(text))
         ps = poolset_at(pool)
         if ps is not None:
             if size_text is not None and parse_size(size_text) != ps.size:
                 raise CliError(f"--size {size_text} disagrees with the pool set's {ps.size} bytes")
             pool, size, specs = ps.path, ps.size, ps.replicas + specs
         elif size_text is None:
-            raise CliError("--size is required (or give a pool-set file)")
+            dev = device_at(pool)  # a device DAX: the pool takes all of it
+            if dev is None:
+                raise CliError("--size is required (or give a pool-set file, or a device DAX)")
+            size = dev.size
         else:
             size = parse_size(size_text)
-    except ValueError as e:  # a size or replica as written; PoolSetError too
+    except ValueError as e:  # a size as written; PoolSetError too
         raise CliError(str(e)) from None
     token = _token(args.token_file)
     try:
@@ -94,19 +98,20 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
 
 
 def cmd_grow(args: argparse.Namespace) -> int:
+    from rpmemfs.devdax import is_char_device
     from rpmemfs.replica.grow import GrowError, grow_pool
 
     if os.path.isdir(args.pool) or _mounted_from(args.pool):
         raise CliError(f"{args.pool} is mounted (or is a directory): unmount the pool and grow the "
                        "pool file; growing a mounted pool is not supported")
-    if not os.path.isfile(args.pool):
-        raise CliError(f"pool {args.pool} does not exist or is not a file")
+    if not os.path.isfile(args.pool) and not is_char_device(args.pool):
+        raise CliError(f"pool {args.pool} does not exist or is not a file (nor a device DAX)")
     try:
         size = parse_size(args.size)
     except ValueError as e:
         raise CliError(str(e)) from None
     try:
-        hdr = grow_pool(args.pool, size, lambda recorded: _token(args.token_file or recorded))
+        hdr = grow_pool(args.pool, size, lambda recorded: _token(args.token_file, recorded))
     except GrowError as e:
         raise CliError(str(e)) from None
     print(f"grew {args.pool} to {human(hdr.pool_size)}: {hdr.data_blocks} data blocks; its replicas "
@@ -140,8 +145,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
     from rpmemfs.mountd import control, unmount
 
     mp = args.mountpoint
-    if not args.timeout > 0:
-        raise CliError("--timeout must be a positive number of seconds")
     entry = _rpmemfs_mount(mp, ": umount(8) unmounts it")
     point = entry.mountpoint
     try:
@@ -174,11 +177,17 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _status(mountpoint: str, timeout: float = 10.0) -> dict[str, Any]:
-    from rpmemfs.mountd import control
+    from rpmemfs.mountd import control, unmount
 
-    point = _rpmemfs_mount(mountpoint, "").mountpoint
+    entry = _rpmemfs_mount(mountpoint, "")
+    point = entry.mountpoint
     try:
         return control.query(point, timeout=timeout)
+    except (ConnectionRefusedError, FileNotFoundError) as e:
+        if unmount.connection_lost(point):
+            raise CliError(f"{unmount.dead_mount(entry)}, and so does mounting the pool there "
+                           "again (its log is replayed)") from None
+        raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
     except (OSError, ValueError) as e:
         raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
 
@@ -249,13 +258,14 @@ def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
 
 def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
     """(pool file, replicas from a pool-set file or None) for a command on an unmounted pool."""
+    from rpmemfs.devdax import is_char_device
     from rpmemfs.replica.spec import poolset_at
 
     pool, specs = path, None
     ps = poolset_at(pool)
     if ps is not None:
         pool, specs = ps.path, ps.replicas
-    if not os.path.isfile(pool):
+    if not os.path.isfile(pool) and not is_char_device(pool):  # a device DAX is checked as mapped
         raise CliError(f"{path} is neither a pool file nor a mount point")
     where = _mounted_from(pool)
     if where:
@@ -291,7 +301,7 @@ def _replicated_pool(path: str, token_file: str | None, what: str, writable: boo
         specs = specs if specs is not None else table.replicas
         if not specs:
             raise CliError(f"pool {pool} has no replicas to {what}")
-        yield pool, pm, specs, _token(token_file or table.token_file)
+        yield pool, pm, specs, _token(token_file, table.token_file)
     finally:
         try:
             pm.close()
@@ -339,14 +349,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
 def _from_replica(args: argparse.Namespace, doing: str) -> tuple[ReplicaSpec, bytes | None]:
     """The --from replica of recover and promote, and the token, once the pool is known not
     to be mounted."""
-    from rpmemfs.replica.spec import ReplicaSpec
-
     if _mounted_from(args.pool):
         raise CliError(f"pool {args.pool} is mounted; unmount it before {doing}")
-    try:
-        return ReplicaSpec.parse(args.source), _token(args.token_file)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    return args.source, _token(args.token_file)
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
@@ -417,11 +422,13 @@ def cmd_pools(args: argparse.Namespace) -> int:
     from rpmemfs.target.admin import format_pools
 
     try:
-        pools = _ask_target(args, {"op": "pools"}).get("pools", {})
+        reply = _ask_target(args, {"op": "pools"})
     except (RpmemfsError, OSError) as exc:
         sys.stderr.write(f"rpmemfs: {exc}\n")
         return 3
-    print(json.dumps(pools, indent=2) if args.json else format_pools(args.address, pools))
+    pools = reply.get("pools", {})
+    print(json.dumps(pools, indent=2) if args.json
+          else format_pools(args.address, pools, reply.get("quotas") or {}))
     return 1 if any((p.get("owner") or {}).get("resync") for p in pools.values()) else 0
 
 
@@ -443,17 +450,94 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_to_check(path: str) -> str:
+    """The pool file that ``path`` (a pool file, a pool-set file) names for check; CliError
+    saying what else it is."""
+    from rpmemfs.devdax import is_char_device
+    from rpmemfs.mountd.unmount import connection_lost, dead_mount, kernel_path
+    from rpmemfs.mountinfo import mount_at
+    from rpmemfs.replica.spec import poolset_at
+
+    entry = mount_at(kernel_path(path))  # before any stat: that hangs on a stuck mount
+    if entry is not None and entry.fstype == "fuse.rpmemfs":
+        mp, pool = entry.mountpoint, entry.source.removeprefix("rpmemfs:")
+        if connection_lost(mp):
+            raise CliError(f"{dead_mount(entry)}; nothing has its pool open: `rpmemfs check "
+                           f"{pool}` checks it")
+        raise CliError(f"{mp} is a mount point (of pool {pool}): check reads a pool file while "
+                       f"nothing has it open; run `rpmemfs verify {mp}` to compare the mounted "
+                       f"pool with its replicas, or `rpmemfs umount {mp}` and then "
+                       f"`rpmemfs check {pool}`")
+    try:
+        ps = poolset_at(path)
+    except ValueError as e:  # PoolSetError
+        raise CliError(str(e)) from None
+    pool = ps.path if ps is not None else path
+    if not os.path.lexists(pool):
+        raise CliError(f"pool {pool} does not exist")
+    if os.path.isdir(pool):
+        raise CliError(f"{pool} is a directory, not a pool file (nor a pool-set file, nor an "
+                       "rpmemfs mount point)")
+    if not os.path.isfile(pool) and not is_char_device(pool):  # a device DAX is checked as mapped
+        raise CliError(f"{pool} is not a regular file: check reads a pool file, a device DAX or a "
+                       "pool-set file")
+    return pool
+
+
+def _refuse_if_open(pool: str, fd: int) -> None:
+    """Take a shared lock on the pool open at ``fd``, or raise CliError naming who has it open.
+    Every writer holds the exclusive one (pmem.PoolMapping.open): a pool being written is no
+    consistent image, where a record stored half reads as damage that is not there. The lock
+    stays while ``fd`` is open, so nothing starts writing the pool meanwhile."""
+    import fcntl
+
+    from rpmemfs.holders import describe_process, lock_holders, rpmemfs_command
+    from rpmemfs.mountd.control import listener_pid
+    from rpmemfs.mountinfo import mounts
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    holders = lock_holders(fd)
+    why = "check reads a pool only while no process has it open"
+    real = os.path.realpath(pool)
+    for e in mounts():
+        ours = e.fstype == "fuse.rpmemfs" and os.path.realpath(e.source[len("rpmemfs:"):]) == real
+        if ours and (pid := listener_pid(e.mountpoint)) in holders:
+            mp = e.mountpoint
+            raise CliError(f"pool {pool} is mounted at {mp} (its daemon is pid {pid}): {why}; run "
+                           f"`rpmemfs verify {mp}` to compare the mounted pool with its replicas, "
+                           f"or `rpmemfs umount {mp}` and then check")
+    for pid in holders:
+        if rpmemfs_command(pid) == "target":
+            raise CliError(f"pool {pool} is open in the target daemon {describe_process(pid)}, "
+                           f"which serves it as a replica to a mount: {why}; check it once that "
+                           "mount is unmounted (the target closes it then)")
+    who = "; ".join(map(describe_process, holders)) or "not visible from here"
+    raise CliError(f"pool {pool} is open in another process ({who}): {why}; check it once that "
+                   "process has ended")
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from rpmemfs.fs.check import check, format_report
     from rpmemfs.pmem import PoolMapping
 
-    if not os.path.isfile(args.pool):
-        raise CliError(f"pool {args.pool} does not exist or is not a file")
-    pm = PoolMapping.open(args.pool, "msync", readonly=True)
+    pool = _pool_to_check(args.pool)
     try:
-        report = check(pm.buf, args.pool)
+        fd = os.open(pool, os.O_RDONLY)
+    except OSError as e:
+        raise CliError(f"cannot open pool {pool}: {e.strerror}") from None
+    try:
+        _refuse_if_open(pool, fd)
+        pm = PoolMapping.open(pool, "msync", readonly=True, opener=lambda _path, _flags: os.dup(fd))
+        try:
+            report = check(pm.buf, pool)
+        finally:
+            pm.close()
     finally:
-        pm.close()
+        os.close(fd)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["clean"] else 1
 
@@ -548,6 +632,54 @@ def _unfinished_option(s: argparse.ArgumentParser) -> None:
                         "short (its content mixes two points in time)")
 
 
+# Argument types: a value that cannot be right is a usage error (status 2), said by argparse in
+# one line naming the option as written ("argument --timeout: ...").
+
+
+def _replica_arg(text: str) -> ReplicaSpec:
+    from rpmemfs.replica.spec import ReplicaSpec
+
+    try:
+        return ReplicaSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _replica_text(text: str) -> str:
+    """A replica for a mount's daemon, checked here and sent as written."""
+    _replica_arg(text)
+    return text
+
+
+def _target_arg(text: str) -> str:
+    from rpmemfs.target.admin import plain_address
+    from rpmemfs.transport.address import parse_address
+
+    try:
+        if parse_address(plain_address(text))[1] == 0:
+            raise ValueError(f"bad address {text!r}: port 0 is not a target's port")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return seconds
+
+
 def options_help() -> str:
     from rpmemfs.mountd.options import options_help
 
@@ -572,7 +704,7 @@ def build_parser() -> ArgumentParser:
     s.add_argument("pool")
     s.add_argument("--size", help="pool size, e.g. 64M, 4G (a pool-set file gives its own)")
     s.add_argument("--force", action="store_true", help="overwrite an existing file")
-    s.add_argument("--replica", action="append", metavar="HOST:PORT/NAME",
+    s.add_argument("--replica", action="append", type=_replica_arg, metavar="HOST:PORT/NAME",
                    help="make a replica pool NAME on the target daemon at HOST:PORT")
     s.add_argument("--token-file", help="shared token for the target daemons")
 
@@ -592,7 +724,7 @@ def build_parser() -> ArgumentParser:
     s = command("umount", cmd_umount, "unmount, and return once the daemon has closed the pool "
                 "and exited")
     s.add_argument("mountpoint")
-    s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+    s.add_argument("--timeout", type=_seconds_arg, default=60.0, metavar="SECONDS",
                    help="how long the daemon may take to answer (default 60); closing the pool "
                         "afterwards is bounded by the replicas' timeout instead")
 
@@ -600,13 +732,14 @@ def build_parser() -> ArgumentParser:
                 "(not every replica in sync), 2 failing (fsync returns EIO), 3 unknown")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
+    s.add_argument("--timeout", type=_seconds_arg, default=10.0,
+                   help="seconds to wait for the daemon (default 10)")
 
     s = command("replica", cmd_replica, "add a replica to a mounted pool (it is created or compared, "
                 "resynced, and joins when in sync) or remove one")
     s.add_argument("action", choices=("add", "remove"))
     s.add_argument("mountpoint")
-    s.add_argument("replica", metavar="[tcp://|rdma://]HOST:PORT/NAME")
+    s.add_argument("replica", type=_replica_text, metavar="[tcp://|rdma://]HOST:PORT/NAME")
     s.add_argument("--force", action="store_true",
                    help="remove even if fewer than min_replicas would be left in sync")
     s.add_argument("--json", action="store_true")
@@ -634,7 +767,7 @@ def build_parser() -> ArgumentParser:
 
     s = command("recover", cmd_recover, "rebuild a lost or damaged local pool from a replica")
     s.add_argument("pool", help="the pool file to write")
-    s.add_argument("--from", dest="source", required=True, metavar="HOST:PORT/NAME")
+    s.add_argument("--from", dest="source", required=True, type=_replica_arg, metavar="HOST:PORT/NAME")
     s.add_argument("--token-file", help="token for the target")
     s.add_argument("--force", action="store_true", help="replace an existing file")
     _unfinished_option(s)
@@ -642,7 +775,8 @@ def build_parser() -> ArgumentParser:
 
     s = command("promote", cmd_promote, "failover: make a new primary from a replica and fence the old one")
     s.add_argument("pool", help="the pool file to write (an older copy of the pool is updated in place)")
-    s.add_argument("--from", dest="source", required=True, metavar="[tcp://|rdma://]HOST:PORT/NAME")
+    s.add_argument("--from", dest="source", required=True, type=_replica_arg,
+                   metavar="[tcp://|rdma://]HOST:PORT/NAME")
     s.add_argument("--token-file", help="token for the targets")
     s.add_argument("--force", action="store_true",
                    help="replace an existing file that is not a copy of the pool")
@@ -650,16 +784,16 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--json", action="store_true")
 
     s = command("pools", cmd_pools, "a target's pools: owner, epoch, writer, sessions, last activity")
-    s.add_argument("address", metavar="[tcp://|rdma://]HOST:PORT")
+    s.add_argument("address", type=_target_arg, metavar="[tcp://|rdma://]HOST:PORT")
     s.add_argument("--token-file", help="token for the target")
-    s.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    s.add_argument("--timeout", type=_seconds_arg, default=10.0, help="seconds (default 10)")
     s.add_argument("--json", action="store_true")
 
     s = command("evict", cmd_evict, "drop the session writing a pool on a target (it is gone, say)")
-    s.add_argument("address", metavar="[tcp://|rdma://]HOST:PORT")
+    s.add_argument("address", type=_target_arg, metavar="[tcp://|rdma://]HOST:PORT")
     s.add_argument("name", help="the pool's name on the target")
     s.add_argument("--token-file", help="token for the target")
-    s.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    s.add_argument("--timeout", type=_seconds_arg, default=10.0, help="seconds (default 10)")
 
     s = command("token", cmd_token, "make a token file (256 random bits, mode 0600)")
     s.add_argument("action", choices=("new",))
@@ -676,7 +810,8 @@ def build_parser() -> ArgumentParser:
 
     s = command("demo", cmd_demo, "a demo mount in DIR; Ctrl-C stops it")
     s.add_argument("dir")
-    s.add_argument("--size", default="256M")
+    s.add_argument("--size", type=_size_arg, default="256M",
+                   help="the pool's size (default 256M); the demo takes three times that in DIR")
     return p
 
 
@@ -702,19 +837,71 @@ def _report(exc: BaseException) -> int:
     return 1
 
 
+class _Output:
+    """stdout or stderr while a command runs. Once its reader has gone (a closed pipe:
+    `rpmemfs status MNT | head -1`), what is left to print goes nowhere and the command ends
+    with the status it would have had: a reader that stopped reading is no error of the pool."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        # The descriptor becomes /dev/null: what the stream still holds, and the interpreter's
+        # flush at exit, then go nowhere instead of raising again.
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _closed_pipes_tolerated() -> Iterator[None]:
+    saved = sys.stdout, sys.stderr
+    # None when the descriptor was closed before we started: print() then drops the text.
+    if sys.stdout is not None:
+        sys.stdout = cast(TextIO, _Output(sys.stdout))
+    if sys.stderr is not None:
+        sys.stderr = cast(TextIO, _Output(sys.stderr))
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()  # a buffered stdout meets the closed pipe only here
+        sys.stdout, sys.stderr = saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logs.setup(args.log_level or DEFAULT_LOG_LEVEL)
-    if args.wire_protection is not None:
-        from rpmemfs.transport import protection
+    with _closed_pipes_tolerated():
+        logs.setup(args.log_level or DEFAULT_LOG_LEVEL)
+        if args.wire_protection is not None:
+            from rpmemfs.transport import protection
 
-        protection.set_initiator(args.wire_protection)
-    try:
-        return int(args.func(args))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:
-        return _report(exc)
+            protection.set_initiator(args.wire_protection)
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt:
+            return 130
+        except Exception as exc:
+            return _report(exc)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Sizes as people write them: 64M, 4G, 1.5T, 4096."""
+"""Sizes as people write them (64M, 4G, 1.5T, 4096), and counts as people read them (1 replica,
+2 replicas)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun, plural (``plural``, else the noun and an s) unless ``n`` is 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"

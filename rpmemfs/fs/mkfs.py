@@ -1,4 +1,4 @@
-"""Making a new pool file."""
+"""Making a new pool: a file, or on a device DAX (where the pool may be smaller than the device)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ import time
 import uuid as uuidlib
 from collections.abc import Callable
 
+from rpmemfs.devdax import DaxDevice, DevDaxError, probe
 from rpmemfs.fs import records as R
 from rpmemfs.fs.errors import MkfsError
 from rpmemfs.fs.log import Ranges
 from rpmemfs.fs.replay import ROOT_INO
-from rpmemfs.pmem import PoolMapping
+from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool import position
+from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import (
     AREA_RECORDS_OFF,
     BACKUP_OFF,
+    HEADER_BYTES,
     HEADER_OFF,
     AreaHeader,
     Header,
@@ -65,13 +68,64 @@ def format_pool(buf: memoryview, hdr: Header, uid: int, gid: int) -> Ranges:
     return [(0, hdr.data_off), *format_map(buf, hdr)]
 
 
+def device_at(path: str) -> DaxDevice | None:
+    """The device DAX at ``path``, None for anything that is no character device; MkfsError
+    for a character device of another kind."""
+    try:
+        return probe(path)
+    except DevDaxError as e:
+        raise MkfsError(str(e)) from None
+
+
+def _mkfs_device(path: str, hdr: Header, force: bool, uid: int, gid: int,
+                 progress: Callable[[int, int], None] | None) -> Header:
+    size = hdr.pool_size
+    try:
+        # Exclusive, as every writer of a pool: a device a mount or target has is refused.
+        pm = PoolMapping.open(path, exclusive=True, length=size)
+    except PmemError as e:
+        raise MkfsError(str(e)) from None
+    with pm:
+        old = find_header(pm.buf)
+        if old is not None and not force:
+            raise MkfsError(f"{path} holds an rpmemfs pool (uuid {old.uuid_str}); use --force to "
+                            "overwrite it")
+        # A file starts as zeroes; a device holds whatever it held, and a replica made from
+        # this pool starts as zeroes too.
+        zeros = memoryview(bytes(min(size, 32 << 20)))
+        for at in range(0, size, len(zeros)):
+            pm.write_nt(at, zeros[: min(len(zeros), size - at)])
+            if progress:
+                progress(min(at + len(zeros), size), size)
+        pm.persist(format_pool(pm.buf, hdr, uid, gid))
+    return hdr
+
+
+def remove_pool(path: str) -> None:
+    """Undo a mkfs: unlink the pool file, or on a device DAX make it no pool (both header
+    copies zeroed)."""
+    if device_at(path) is None:
+        os.unlink(path)
+        return
+    with PoolMapping.open(path, exclusive=True) as pm:
+        # Neither copy left: nothing takes it for a pool, and mkfs needs no --force on it.
+        pm.write_nt(HEADER_OFF, bytes(BACKUP_OFF + HEADER_BYTES - HEADER_OFF))
+
+
 def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid: int | None = None,
          progress: Callable[[int, int], None] | None = None) -> Header:
-    """Create the pool file at path with an empty root directory; returns its header."""
+    """Create the pool at path (a file, or a device DAX) with an empty root directory; returns
+    its header."""
     try:
         hdr = plan(size, uuidlib.uuid4().bytes, time.time_ns())
     except PoolFormatError as e:
         raise MkfsError(str(e)) from None
+    if device_at(path) is not None:
+        return _mkfs_device(path, hdr, force, os.getuid() if uid is None else uid,
+                            os.getgid() if gid is None else gid, progress)
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        # --force replaces a pool file; a block device, FIFO or socket is never unlinked.
+        raise MkfsError(f"{path} is not a regular file: a pool is a file or a device DAX (/dev/daxX.Y)")
     if os.path.lexists(path) and not force:
         raise MkfsError(f"{path} exists; use --force to overwrite it")
     if os.path.isdir(path):
@@ -85,7 +139,10 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         raise MkfsError(f"not enough free space in {parent}: pool needs {size} bytes, "
                         f"{free} available")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # O_EXCL: what appeared since the check above (a symlink, say) is not written through.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL), 0o600)
+    except FileExistsError:
+        raise MkfsError(f"{path} exists; use --force to overwrite it") from None
     except OSError as e:
         raise MkfsError(f"cannot create {path}: {e.strerror}") from e
     try:

@@ -11,7 +11,7 @@ import enum
 import time
 from typing import Any
 
-from rpmemfs.units import human
+from rpmemfs.units import count, human
 
 
 class Health(enum.IntEnum):
@@ -27,7 +27,7 @@ def health(st: dict[str, Any]) -> tuple[Health, str]:
     n = len(replicas)
     in_sync = sum(1 for r in replicas if r.get("state") == "in-sync")
     need = int(st.get("min_replicas") or 0)
-    summary = f"{in_sync} of {n} replicas in sync, {need} required"
+    summary = f"{in_sync} of {count(n, 'replica')} in sync, {need} required"
     if st.get("fenced"):
         if need:
             return Health.FAILING, f"fenced: {st['fenced']}"
@@ -74,7 +74,8 @@ def _replication(st: dict[str, Any]) -> list[str]:
     if st.get("replication") != "async" or not isinstance(backlog, dict):
         return []
     return [f"  replication async, max_lag {human(int(backlog.get('max_lag', 0)))}; queued "
-            f"{human(int(backlog.get('queued_bytes', 0)))} in {backlog.get('queued_batches')} points"]
+            f"{human(int(backlog.get('queued_bytes', 0)))} in "
+            f"{count(int(backlog.get('queued_batches') or 0), 'point')}"]
 
 
 def _progress(r: dict[str, Any]) -> str:
@@ -101,22 +102,23 @@ def format_status(st: dict[str, Any]) -> str:
         f"{st['mountpoint']}: {h.name.lower()} ({why})",
         f"  pool     {st['pool']} ({st.get('uuid')})",
         f"  size     {human(int(st.get('size', 0)))}, used {human(used)} of {human(data)} "
-        f"({100 * used // data}%), {st.get('inodes')} inodes",
+        f"({100 * used // data}%), {count(int(st.get('inodes') or 0), 'inode')}",
         f"  pmem     {st.get('pmem_mode')} (requested {st.get('pmem_requested')})",
         f"  epoch    {st.get('epoch')}   min_replicas {st.get('min_replicas')}   up {uptime}   "
         f"pid {st.get('pid')}",
+        *([f"  messages {st['daemon_log']}"] if st.get("daemon_log") else []),  # the daemon's log
         *_replication(st),
-        f"  fsync    {st.get('fsync_count')} calls, p50 {lat.get('p50', 0):.1f} us, "
+        f"  fsync    {count(int(st.get('fsync_count') or 0), 'call')}, p50 {lat.get('p50', 0):.1f} us, "
         f"p99 {lat.get('p99', 0):.1f} us; commit {every}",
     ]
     log = st.get("log")
     if isinstance(log, dict):
         lines.append(f"  log      area {log.get('area')} gen {log.get('generation')}, "
                      f"{human(int(log.get('used', 0)))} of {human(int(log.get('capacity', 0)))}, "
-                     f"{log.get('checkpoints')} checkpoints")
+                     f"{count(int(log.get('checkpoints') or 0), 'checkpoint')}")
     replay = st.get("replay")
     if isinstance(replay, dict) and "tail_records" in replay:
-        lines.append(f"  replay   {replay.get('records')} records at mount, "
+        lines.append(f"  replay   {count(int(replay.get('records') or 0), 'record')} at mount, "
                      f"{replay.get('tail_records')} of them after the snapshot, "
                      f"in {replay.get('seconds')} s")
     waited = st.get("oldest_barrier_s")

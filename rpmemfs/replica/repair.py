@@ -33,6 +33,7 @@ from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import chunk_of, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, Lane, RemoteRegion, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.units import count
 
 READ_STEP = 4 << 20  # bytes per read while recovering
 
@@ -65,14 +66,14 @@ class SyncReport:
 
 def format_sync(report: dict[str, Any]) -> str:
     lines = [f"sync of {report['pool']}: {report['size']} bytes, chunks of {report['chunk']} bytes, "
-             f"{len(report['replicas'])} replicas, {report['seconds']:.2f} s"]
+             f"{count(len(report['replicas']), 'replica')}, {report['seconds']:.2f} s"]
     for r in report["replicas"]:
         if "error" in r:
             lines.append(f"  {r['replica']}: NOT SYNCED: {r['error']}")
         else:
-            lines.append(f"  {r['replica']}: {r.get('compared_chunks', 0)} chunks compared, "
-                         f"{r.get('differing_chunks', 0)} differing, {r.get('chunks_sent', 0)} "
-                         f"chunks sent ({r.get('bytes_sent', 0)} bytes)")
+            lines.append(f"  {r['replica']}: {count(r.get('compared_chunks', 0), 'chunk')} compared, "
+                         f"{r.get('differing_chunks', 0)} differing, "
+                         f"{count(r.get('chunks_sent', 0), 'chunk')} sent ({r.get('bytes_sent', 0)} bytes)")
     lines.append("clean" if report.get("clean") else "NOT CLEAN")
     return "\n".join(lines)
 

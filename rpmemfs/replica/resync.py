@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -20,6 +21,7 @@ from rpmemfs.replica.barriers import Barriers
 from rpmemfs.replica.replica import IN_SYNC, RESYNCING, Replica
 from rpmemfs.replica.verify import chunks_touched, content_size, count_chunks, differing_chunks, pool_chunk
 from rpmemfs.transport.base import TransportError
+from rpmemfs.units import count, human
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +86,24 @@ async def resync(rs: Barriers, replica: Replica, progress: Callable[[int], None]
     replica.resync = None
     replica.last_resync = {**totals, "missed_bytes": missed, "seconds": round(time.monotonic() - t0, 3)}
     if totals["bytes_sent"] or totals["compared_chunks"]:
-        ratio = f"{totals['bytes_sent'] / missed:.2f}x the bytes it missed, " if missed else ""
-        log.warning("replica %s resynced: %s%s", replica.spec, ratio, replica.last_resync)
+        # Info: a replica catching up is routine; one that fell behind says at warning
+        # when it is in sync again (replica_set), with the error it had.
+        log.info("replica %s resynced: %s", replica.spec, _summary(replica.last_resync))
     return True
+
+
+def _summary(done: dict[str, Any]) -> str:
+    """A resync's last_resync as a sentence (status --json has the same numbers)."""
+    said = []
+    if done["compared_chunks"]:
+        said.append(f"{count(done['compared_chunks'], 'chunk')} compared, "
+                    f"{done['differing_chunks']} differing")
+    sent = human(done["bytes_sent"])
+    if done["missed_bytes"]:
+        sent += f", {done['bytes_sent'] / done['missed_bytes']:.2f}x the bytes it missed"
+    said.append(f"{count(done['chunks_sent'], 'chunk')} sent ({sent}) in "
+                f"{count(done['passes'], 'pass', 'passes')}, {done['seconds']:.3f} s")
+    return "; ".join(said)
 
 
 async def _mark(rs: Barriers, replica: Replica, active: bool) -> None:

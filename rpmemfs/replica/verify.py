@@ -29,6 +29,7 @@ from rpmemfs.progress import ProgressBar
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.units import count
 
 # The chunk pools are compared in, at least: a checksum per 64 KiB keeps a whole-pool compare
 # cheap (a 2 GiB pool in under a second) where the sync map has a bit per 4 KiB block.
@@ -203,16 +204,17 @@ async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: by
 
 def format_report(report: VerifyReport) -> str:
     lines = [f"verify of {report.pool}: {report.size} bytes, chunks of {report.chunk} bytes, "
-             f"{len(report.replicas)} replicas, {report.seconds:.2f} s"]
+             f"{count(len(report.replicas), 'replica')}, {report.seconds:.2f} s"]
     for r in report.replicas:
         if r.error:
             lines.append(f"  {r.replica}: NOT VERIFIED: {r.error}")
         elif not r.differing:
-            lines.append(f"  {r.replica}: identical, {r.compared_chunks} chunks compared")
+            lines.append(f"  {r.replica}: identical, {count(r.compared_chunks, 'chunk')} compared")
         else:
             total = sum(n for _, n in r.differing)
-            lines.append(f"  {r.replica}: DIFFERS: {r.compared_chunks} chunks compared, "
-                         f"{r.differing_chunks} differing ({len(r.differing)} ranges, {total} bytes):")
+            lines.append(f"  {r.replica}: DIFFERS: {count(r.compared_chunks, 'chunk')} compared, "
+                         f"{r.differing_chunks} differing ({count(len(r.differing), 'range')}, "
+                         f"{total} bytes):")
             lines += [f"    offset {o} length {n}" for o, n in r.differing[:50]]
             if len(r.differing) > 50:
                 lines.append(f"    ... {len(r.differing) - 50} more")

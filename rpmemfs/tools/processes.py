@@ -149,7 +149,11 @@ class TargetProcess:
             # A second daemon would be started and the first one leaked (`with` starts it).
             raise SpawnError(f"the target on {self.address} is already running")
         if self._log_path is not None:
-            self._log = open(self._log_path, "w+b")  # noqa: SIM115 - lives as long as the process
+            # Never through a symlink: a log in a directory someone else could write to would
+            # have this process (root, say) write wherever the link points.
+            fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o666)
+            self._log = os.fdopen(fd, "w+b")  # lives as long as the process
         else:
             self._log = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(

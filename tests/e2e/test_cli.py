@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,11 +27,14 @@ from helpers import (
     describe,
     fsync_path,
     is_mounted,
+    mkfs_replicated,
     pin_process,
+    replica_file,
     wait_until,
+    write_fsync,
 )
 
-from rpmemfs.tools.processes import detach
+from rpmemfs.tools.processes import TargetProcess, detach
 
 if TYPE_CHECKING:
     from conftest import MakePool, MountPool
@@ -149,7 +154,51 @@ def test_check_clean_pool(make_pool: MakePool, mount_pool: MountPool) -> None:
 
 
 def test_check_missing_pool(work_dir: Path) -> None:
-    assert_clean_error(cli("check", work_dir / "nope.img"))
+    assert_clean_error(cli("check", work_dir / "nope.img"), r"nope\.img does not exist",
+                       one_line=True)
+    assert_clean_error(cli("check", work_dir), r"is a directory, not a pool file", one_line=True)
+
+
+def test_check_refuses_a_pool_a_process_has_open_and_says_what_to_run(
+    work_dir: Path, make_pool: MakePool, mount_pool: MountPool, targets: list[TargetProcess]
+) -> None:
+    """A pool being written is no consistent image to check (a record half stored looks
+    damaged): check names the mount and its daemon, or the target daemon serving a replica,
+    instead of reporting damage that is not there."""
+    pool = work_dir / "app.pool"
+    mkfs_replicated(pool, targets[:1], size="16M")
+    m = mount_pool(pool)
+    assert m.proc is not None
+    point = re.escape(os.path.realpath(m.path))
+    poolset = work_dir / "app.set"
+    poolset.write_text(f"PMEMPOOLSET\n16M {pool}\nREPLICA {targets[0].address} app\n")
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            write_fsync(m.path / f"w{i % 8}", os.urandom(20_000))
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        direct, via_set, at_mount, replica = (cli("check", p) for p in (
+            pool, poolset, m.path, replica_file(targets[0])))
+    finally:
+        stop.set()
+        t.join()
+    mounted = (rf"{re.escape(str(pool))} is mounted at {point} \(its daemon is pid {m.proc.pid}\)"
+               rf".*rpmemfs verify {point}.*rpmemfs umount {point}")
+    assert_clean_error(direct, mounted, one_line=True)
+    assert_clean_error(via_set, mounted, one_line=True)
+    assert_clean_error(at_mount, rf"{point} is a mount point \(of pool {re.escape(str(pool))}\).*"
+                       rf"rpmemfs verify {point}", one_line=True)
+    assert_clean_error(replica, rf"open in the target daemon pid {targets[0].pid} .*serves it "
+                       "as a replica", one_line=True)
+    assert direct.returncode == via_set.returncode == at_mount.returncode == 1
+    m.unmount()
+    assert_check_clean(pool)
 
 
 # ---------------------------------------------------------------------------- mount
@@ -412,6 +461,43 @@ def test_status_not_a_mount(work_dir: Path) -> None:
     assert_clean_error(res)
 
 
+def _into_a_closed_pipe(*args: str | os.PathLike[str], unbuffered: bool
+                        ) -> subprocess.CompletedProcess[str]:
+    """`rpmemfs ARGS | head -0`, deterministically: the pipe's reading end is closed before
+    the command starts. Unbuffered, its first print meets the closed pipe; buffered, its
+    flush at exit does."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([*CLI, *(os.fspath(a) for a in args)], cwd=REPO, env=env,
+                             stdin=subprocess.DEVNULL, stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=120)
+    finally:
+        os.close(write)
+    res.stdout = ""  # nobody could read it
+    return res
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+def test_a_closed_stdout_is_no_error_of_the_pool(
+        make_pool: MakePool, mount_pool: MountPool, targets: list[TargetProcess], unbuffered: bool
+) -> None:
+    """`rpmemfs status MNT | head -1`: nothing on stderr, and the status the command has
+    anyway (status: the mount's health; pools: its pools' consistency)."""
+    m = mount_pool(make_pool("16M"))
+    for args, code in [(("status", m.path), 0), (("status", m.path, "--json"), 0),
+                       (("pools", targets[0].address), 0), (("status", "/"), 3)]:
+        res = _into_a_closed_pipe(*args, unbuffered=unbuffered)
+        assert res.returncode == code, describe(res)
+        if code == 0:
+            assert res.stderr == "", describe(res)
+        else:  # its own error still says why
+            assert_clean_error(res, r"not an rpmemfs mount", one_line=True)
+
+
 # ------------------------------------------------------- options, dispatch, errors
 
 DEBUG = ("--log-level", "debug")
@@ -481,6 +567,7 @@ def test_commands_with_their_own_options_get_them_in_order(where: str) -> None:
         ["sync", "a", "b"],
         ["recover", "p.img"],
         ["demo"],
+        ["demo", "d", "--size", "big"],
         ["target", "--bogus"],
         ["target", "--listen", "127.0.0.1:0"],
         ["bench", "--bogus"],
@@ -501,9 +588,34 @@ def test_a_usage_error_is_one_line(work_dir: Path, argv: list[str]) -> None:
 @pytest.mark.parametrize(
     "argv,pattern",
     [
+        (["mkfs", "p.img", "--size", "8M", "--replica", "bogus"],
+         r"mkfs: argument --replica: bad replica 'bogus': expected"),
+        (["recover", "/dev/shm/p.img", "--from", "nowhere"], r"argument --from: bad replica 'nowhere'"),
+        (["promote", "/dev/shm/p.img", "--from", "h:1"], r"argument --from: bad replica 'h:1'"),
+        (["replica", "add", "/", "nowhere"], r"bad replica 'nowhere'"),
+        (["pools", "127.0.0.1"], r"pools: .*bad address '127.0.0.1': no port \(use HOST:PORT\)"),
+        (["evict", "127.0.0.1:0", "app"], r"evict: .*'127.0.0.1:0': port 0 is not a target's port"),
+        (["pools", "127.0.0.1:7420", "--timeout", "-1"],
+         r"pools: argument --timeout: '-1' is not a positive number of seconds"),
+        (["evict", "127.0.0.1:7420", "app", "--timeout", "0"], r"evict: argument --timeout: '0'"),
+        (["status", "/", "--timeout", "-1"], r"status: argument --timeout: '-1'"),
+        (["umount", "/", "--timeout", "never"], r"umount: argument --timeout: 'never'"),
+    ],
+)
+def test_a_value_that_cannot_be_right_is_a_usage_error(argv: list[str], pattern: str) -> None:
+    """Status 2 (status and pools too: their 0-3 describe what they found, and a command line
+    they cannot run found nothing), naming the option as written and nothing internal."""
+    res = cli(*argv)
+    assert_clean_error(res, pattern, one_line=True)
+    assert res.returncode == 2, describe(res)
+    assert "`" not in res.stderr, describe(res)  # trio's `seconds`, say
+
+
+@pytest.mark.parametrize(
+    "argv,pattern",
+    [
         (["verify", "/nonexistent.pool", "--chunk", "3"], r"--chunk"),
         (["verify", "/nonexistent.pool"], r"neither a pool file nor a mount point"),
-        (["recover", "/dev/shm/p.img", "--from", "nowhere"], r"nowhere|HOST:PORT|address"),
         (["check", "/nonexistent.pool"], r"does not exist"),
         (["mkfs", "/nonexistent/dir/p.img", "--size", "8M"], None),
         (["demo", "/proc/rpmemfs-demo"], None),

@@ -123,8 +123,8 @@ def test_remove_below_min_replicas_is_refused_unless_forced(
     st = status_json(m.path)
     assert st["min_replicas"] == 1 and len(st["replicas"]) == 1, st
     write_fsync(m.path / "f", b"f" * 9000)  # the policy met by the one left
-    bad = cli("replica", "add", m.path, "not-an-address")
-    assert bad.returncode == 1 and "rpmemfs:" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli("replica", "add", m.path, "not-an-address")  # a usage error
+    assert bad.returncode == 2 and "rpmemfs:" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_the_old_primary_rejoins_as_a_replica_of_the_new_one(

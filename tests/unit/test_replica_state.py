@@ -4,6 +4,7 @@ state reads as the strings status and the CLI have always shown."""
 from __future__ import annotations
 
 import json
+import logging
 from itertools import product
 from typing import Any
 
@@ -135,3 +136,22 @@ def test_resync_joins_only_a_replica_still_resyncing(old_barrier_fails: bool) ->
         assert replica.state is S.STALE and not syncmap.settled and syncmap.pending == [(8192, 4096)]
     else:
         assert replica.state is S.IN_SYNC and syncmap.settled and replica.last_resync is not None
+
+
+def test_a_resync_that_ends_is_one_info_line_in_words(caplog: pytest.LogCaptureFixture) -> None:
+    """A replica catching up is routine: the default level (warning) does not show it, and at
+    info it reads as a sentence, not as a Python dict."""
+    caplog.set_level(logging.INFO, logger="rpmemfs")
+    replica = _replica(S.STALE)
+    replica.lanes = [_Lane(lambda: None)]  # type: ignore[list-item]
+    replica.region = object()  # type: ignore[assignment]
+    rs = Barriers([replica], memoryview(bytearray(16384)), min_replicas=0,
+                  syncmap=_Map())  # type: ignore[arg-type]
+
+    assert trio.run(resync, rs, replica, lambda n: None)
+
+    lines = [r for r in caplog.records if "resynced" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO], lines
+    assert lines[0].getMessage() == ("replica 127.0.0.1:7000/pool resynced: 1 chunk sent (4.0 KiB, "
+                                     "1.00x the bytes it missed) in 1 pass, "
+                                     f"{replica.last_resync['seconds']:.3f} s")
