@@ -66,22 +66,20 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
     from rpmemfs.mountd.provision import create_pool
     from rpmemfs.replica.spec import poolset_at
 
-    pool, size_text, specs = args.pool, args.size, list(args.replica or [])
+    pool, size, specs = args.pool, args.size, list(args.replica or [])
     try:
         ps = poolset_at(pool)
-        if ps is not None:
-            if size_text is not None and parse_size(size_text) != ps.size:
-                raise CliError(f"--size {size_text} disagrees with the pool set's {ps.size} bytes")
-            pool, size, specs = ps.path, ps.size, ps.replicas + specs
-        elif size_text is None:
-            dev = device_at(pool)  # a device DAX: the pool takes all of it
-            if dev is None:
-                raise CliError("--size is required (or give a pool-set file, or a device DAX)")
-            size = dev.size
-        else:
-            size = parse_size(size_text)
-    except ValueError as e:  # a size as written; PoolSetError too
+    except ValueError as e:  # PoolSetError
         raise CliError(str(e)) from None
+    if ps is not None:
+        if size is not None and size != ps.size:
+            raise CliError(f"--size of {size} bytes disagrees with the pool set's {ps.size} bytes")
+        pool, size, specs = ps.path, ps.size, ps.replicas + specs
+    elif size is None:
+        dev = device_at(pool)  # a device DAX: the pool takes all of it
+        if dev is None:
+            raise CliError("--size is required (or give a pool-set file, or a device DAX)")
+        size = dev.size
     token = _token(args.token_file)
     try:
         hdr = create_pool(pool, size, specs, token=token, token_file=args.token_file,
@@ -107,11 +105,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.pool) and not is_char_device(args.pool):
         raise CliError(f"pool {args.pool} does not exist or is not a file (nor a device DAX)")
     try:
-        size = parse_size(args.size)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    try:
-        hdr = grow_pool(args.pool, size, lambda recorded: _token(args.token_file, recorded))
+        hdr = grow_pool(args.pool, args.size, lambda recorded: _token(args.token_file, recorded))
     except GrowError as e:
         raise CliError(str(e)) from None
     print(f"grew {args.pool} to {human(hdr.pool_size)}: {hdr.data_blocks} data blocks; its replicas "
@@ -176,20 +170,26 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_daemon(entry: MountEntry, mountpoint: str, e: Exception) -> CliError:
+    """What to say when the daemon of the mount ``entry`` did not answer: a dead mount (its
+    daemon killed) named, with what takes it away."""
+    from rpmemfs.mountd import unmount
+
+    if isinstance(e, (ConnectionRefusedError, FileNotFoundError)) and unmount.connection_lost(
+            entry.mountpoint):
+        return CliError(f"{unmount.dead_mount(entry)}, and so does mounting the pool there again "
+                        "(its log is replayed)")
+    return CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})")
+
+
 def _status(mountpoint: str, timeout: float = 10.0) -> dict[str, Any]:
-    from rpmemfs.mountd import control, unmount
+    from rpmemfs.mountd import control
 
     entry = _rpmemfs_mount(mountpoint, "")
-    point = entry.mountpoint
     try:
-        return control.query(point, timeout=timeout)
-    except (ConnectionRefusedError, FileNotFoundError) as e:
-        if unmount.connection_lost(point):
-            raise CliError(f"{unmount.dead_mount(entry)}, and so does mounting the pool there "
-                           "again (its log is replayed)") from None
-        raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
+        return control.query(entry.mountpoint, timeout=timeout)
     except (OSError, ValueError) as e:
-        raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
+        raise _no_daemon(entry, mountpoint, e) from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -200,16 +200,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     except CliError as e:
         print(f"rpmemfs: {e}", file=sys.stderr)
         return Health.UNKNOWN
-    h, _ = health(st)
-    print(json.dumps({**st, "health": h.name.lower()}, indent=2) if args.json else format_status(st))
+    h, why = health(st)
+    if args.json:
+        print(json.dumps({**st, "health": h.name.lower()}, indent=2))
+    elif h is Health.UNKNOWN:  # an answer with nothing in it but an error
+        print(f"rpmemfs: {args.mountpoint}: {why}", file=sys.stderr)
+    else:
+        print(format_status(st))
     return int(h)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
-    point = _rpmemfs_mount(args.mountpoint, ": replicas are added to and removed from a mounted pool"
-                           ).mountpoint
+    entry = _rpmemfs_mount(args.mountpoint, ": replicas are added to and removed from a mounted pool")
     words = ["replica", args.action, args.replica] + (["force"] if args.force else [])
-    reply = _ask_mount(point, " ".join(words), f"replica {args.action}")
+    reply = _ask_mount(entry, args.mountpoint, " ".join(words), f"replica {args.action}")
     if args.json:
         print(json.dumps(reply, indent=2))
     elif args.action == "add":
@@ -222,9 +226,8 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
-    if not os.path.ismount(args.mountpoint):
-        raise CliError(f"{args.mountpoint} is not a mount point")
-    reply = _ask_mount(args.mountpoint, "flush", "flush")
+    entry = _rpmemfs_mount(args.mountpoint, "")
+    reply = _ask_mount(entry, args.mountpoint, "flush", "flush")
     if args.json:
         print(json.dumps(reply, indent=2))
         return 0
@@ -242,15 +245,29 @@ def _mounted_from(pool: str) -> str | None:
     return mounted_from("rpmemfs:" + os.path.abspath(pool))
 
 
-def _ask_mount(mountpoint: str, request: str, label: str) -> dict[str, Any]:
-    """A long request to a mount's daemon, with a progress bar from its progress lines."""
+def _mount_asked(path: str) -> MountEntry | None:
+    """The rpmemfs mount at ``path``, for verify and sync, which take a mount point or a pool
+    file; None for a pool file. Found in the mount table, not by a stat: that fails on a
+    dead mount (ENOTCONN) and hangs on a stuck one."""
+    from rpmemfs.mountd.unmount import kernel_path
+    from rpmemfs.mountinfo import mount_at
+
+    entry = mount_at(kernel_path(path))
+    if entry is None or entry.fstype == "fuse.rpmemfs":
+        return entry
+    return _rpmemfs_mount(path, "") if os.path.isdir(path) else None  # says what it is
+
+
+def _ask_mount(entry: MountEntry, mountpoint: str, request: str, label: str) -> dict[str, Any]:
+    """A long request to the daemon of the mount ``entry``, with a progress bar from its
+    progress lines."""
     from rpmemfs.mountd import control
 
     show = _progress(label)
     try:
-        reply = control.query(mountpoint, request, timeout=None, progress=show)
+        reply = control.query(entry.mountpoint, request, timeout=None, progress=show)
     except (OSError, ValueError) as e:
-        raise CliError(f"no rpmemfs daemon answers for {mountpoint} ({e})") from None
+        raise _no_daemon(entry, mountpoint, e) from None
     if "error" in reply and len(reply) == 1:
         raise CliError(str(reply["error"]))
     return reply
@@ -272,18 +289,6 @@ def _unmounted_pool(path: str, what: str) -> tuple[str, list[Any] | None]:
         raise CliError(f"pool {pool} is mounted at {where}: {what} the mount point instead "
                        f"(rpmemfs {what} {where})")
     return pool, specs
-
-
-def _chunk(text: str | None) -> int | None:
-    if text is None:
-        return None  # the pool's own chunk, which sync counts in too
-    try:
-        chunk = parse_size(text)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
-        raise CliError("--chunk must be a multiple of 4K, at most 64M")
-    return chunk
 
 
 @contextlib.contextmanager
@@ -314,10 +319,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from rpmemfs.replica.verify import format_report, report_from_dict, verify
 
-    chunk = _chunk(args.chunk)
-    if os.path.isdir(args.pool) and os.path.ismount(args.pool):
+    chunk = args.chunk  # None: the pool's own, which sync counts in too
+    if (entry := _mount_asked(args.pool)) is not None:
         request = "verify" if chunk is None else f"verify {chunk}"
-        report = report_from_dict(_ask_mount(args.pool, request, "verify"))
+        report = report_from_dict(_ask_mount(entry, args.pool, request, "verify"))
     else:
         opened = _replicated_pool(args.pool, args.token_file, "verify", writable=False)
         with opened as (pool, pm, specs, token):
@@ -332,8 +337,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
     from rpmemfs.replica.repair import format_sync, sync_pool
     from rpmemfs.replica.verify import content_size
 
-    if os.path.isdir(args.pool) and os.path.ismount(args.pool):
-        result = _ask_mount(args.pool, "sync", "sync")
+    if (entry := _mount_asked(args.pool)) is not None:
+        result = _ask_mount(entry, args.pool, "sync", "sync")
     else:
         opened = _replicated_pool(args.pool, args.token_file, "sync", writable=True)
         with opened as (pool, pm, specs, token):
@@ -670,6 +675,13 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _chunk_arg(text: str) -> int:
+    chunk = _size_arg(text)
+    if chunk < 4096 or chunk % 4096 or chunk > 64 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of 4K, at most 64M")
+    return chunk
+
+
 def _seconds_arg(text: str) -> float:
     try:
         seconds = float(text)
@@ -702,7 +714,8 @@ def build_parser() -> ArgumentParser:
 
     s = command("mkfs", cmd_mkfs, "make a pool file")
     s.add_argument("pool")
-    s.add_argument("--size", help="pool size, e.g. 64M, 4G (a pool-set file gives its own)")
+    s.add_argument("--size", type=_size_arg,
+                   help="pool size, e.g. 64M, 4G (a pool-set file gives its own)")
     s.add_argument("--force", action="store_true", help="overwrite an existing file")
     s.add_argument("--replica", action="append", type=_replica_arg, metavar="HOST:PORT/NAME",
                    help="make a replica pool NAME on the target daemon at HOST:PORT")
@@ -710,7 +723,7 @@ def build_parser() -> ArgumentParser:
 
     s = command("grow", cmd_grow, "grow an unmounted pool and its replicas")
     s.add_argument("pool")
-    s.add_argument("--size", required=True, help="the new size, e.g. 8G")
+    s.add_argument("--size", type=_size_arg, required=True, help="the new size, e.g. 8G")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
 
     s = command("mount", cmd_mount, "mount a pool")
@@ -755,8 +768,9 @@ def build_parser() -> ArgumentParser:
 
     s = command("verify", cmd_verify, "compare a pool with its replicas by chunk checksums")
     s.add_argument("pool", metavar="POOL|MOUNTPOINT", help="pool file, pool-set file or mount point")
-    s.add_argument("--chunk", help="checksum chunk size (default: the pool's sync map chunk, "
-                   "64K for pools up to 4G, the unit sync counts in too)")
+    s.add_argument("--chunk", type=_chunk_arg,
+                   help="checksum chunk size, a multiple of 4K up to 64M (default: the pool's "
+                        "sync map chunk, 64K for pools up to 4G, the unit sync counts in too)")
     s.add_argument("--token-file", help="token for the targets (default: the one recorded in the pool)")
     s.add_argument("--json", action="store_true")
 

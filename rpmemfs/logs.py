@@ -1,4 +1,5 @@
-"""Structured, quiet-by-default logging: one `key=value` line per event.
+"""Structured, quiet-by-default logging: one `key=value` line per event, whatever a peer put
+in the text it carries (control characters are escaped: rpmemfs/printable.py).
 
 Where lines go: stderr (the CLI, daemons in the foreground, units under systemd), a file
 (`-o log=FILE`), or syslog for a mount that forked off without a file (mount(8) and fstab
@@ -29,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from rpmemfs.printable import printable
+
 REPEAT_WINDOW = 60.0
 MAX_KEYS = 1024  # distinct repeating lines remembered; the oldest are forgotten first
 SYSLOG_SOCKET = "/dev/log"
@@ -44,7 +47,9 @@ class _KeyValue(logging.Formatter):
         self.timestamps = timestamps and not journal
 
     def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage().replace('"', "'")
+        # One record, one line: what peers said (holders, names, reasons) may hold newlines
+        # or terminal escapes, and must neither forge lines nor reach a terminal raw.
+        msg = printable(record.getMessage()).replace('"', "'")
         line = f'level={record.levelname.lower()} logger={record.name} msg="{msg}"'
         held = getattr(record, "held_back", 0)
         if held:

@@ -1,9 +1,13 @@
-"""Mapping of a pool file and the ways its stores are made durable.
+"""Mapping of a pool (a file, or a device DAX) and the ways its stores are made durable.
 
-Three kinds of mapping exist, after what the file system and the caller allow:
+Four kinds of mapping exist, after what the file system, the device and the caller allow:
 
 * ``dax``: MAP_SYNC on a DAX file system. Stores reach persistent memory by cache
   write-back alone (clwb + sfence); the kernel keeps file metadata in step.
+* ``devdax``: a device DAX (/dev/daxX.Y, devdax.py), mapped whole, whatever mode is asked:
+  it is always synchronous, stores are made durable by cache write-back alone, and msync
+  is refused by the kernel. A pool there may be smaller than the device: the mapping shows
+  only the pool (as long as its header says), so everything above sees a pool of its size.
 * ``force``: an ordinary shared mapping handled as if it were persistent memory,
   like PMDK's PMEM_IS_PMEM_FORCE. Fast, but durability is only emulated.
 * ``msync``: an ordinary shared mapping made durable with msync(MS_SYNC).
@@ -14,14 +18,17 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Self
 
+from rpmemfs.devdax import DevDaxError, describe
 from rpmemfs.errors import RpmemfsError
 from rpmemfs.holders import describe_process, lock_holders
 from rpmemfs.native import BytesLike, ffi, lib
+from rpmemfs.units import human
 
 log = logging.getLogger("rpmemfs.pmem")
 
@@ -60,6 +67,37 @@ def _map(fd: int, size: int, path: str, mode: str, readonly: bool) -> tuple[mmap
         raise PmemError(f"cannot map pool {path}: {exc.strerror or exc}") from exc
 
 
+def _map_device(fd: int, st: os.stat_result, path: str, readonly: bool,
+                length: int | None) -> tuple[mmap.mmap, int]:
+    """The whole device DAX mapped, and how much of it the pool is: ``length`` when given
+    (mkfs), else what the pool's header says, else the whole device."""
+    try:
+        dev = describe(path, st)
+    except DevDaxError as exc:
+        raise PmemError(str(exc)) from None
+    if length is not None and length > dev.size:
+        raise PmemError(f"device DAX {path} holds {dev.size} bytes ({human(dev.size)}); a pool of "
+                        f"{length} bytes ({human(length)}) does not fit on it")
+    try:
+        # Shared, never MAP_SYNC: a device DAX is synchronous by itself. Its whole size is a
+        # multiple of its alignment, and the kernel aligns the start (dax_get_unmapped_area).
+        if readonly:
+            mm = mmap.mmap(fd, dev.size, access=mmap.ACCESS_READ)
+        else:
+            mm = mmap.mmap(fd, dev.size, flags=mmap.MAP_SHARED, prot=_RW)
+    except OSError as exc:
+        raise PmemError(f"cannot map device DAX {path} ({dev.size} bytes, alignment {dev.align}): "
+                        f"{exc.strerror or exc}") from exc
+    if length is None:
+        # The pool format is read here only for its length: a device has no file size to say it.
+        from rpmemfs.pool.header import find_header
+
+        with memoryview(mm) as view:  # released at once: a view left would keep mm from closing
+            hdr = find_header(view)
+        length = hdr.pool_size if hdr is not None and 0 < hdr.pool_size <= dev.size else dev.size
+    return mm, length
+
+
 def _page_spans(pairs: list[int], size: int) -> list[tuple[int, int]]:
     """Page-aligned (start, end) spans covering the non-empty ranges, merged."""
     spans = sorted(
@@ -92,10 +130,12 @@ class PoolMapping:
         self.size = size
         self.requested = requested
         self.kind = kind
-        self.is_pmem = kind in ("dax", "force")
+        self.is_pmem = kind in ("dax", "devdax", "force")
         self.readonly = readonly
         self._mm = mm
-        self.buf = memoryview(mm)
+        # A pool on a device DAX may end before the device does: the view ends with the pool.
+        self._whole = memoryview(mm)
+        self.buf = self._whole if size == len(mm) else self._whole[:size]
         # One cffi view of the whole mapping, made here: a from_buffer per call would
         # cost more than the flushes it serves.
         self._base = ffi.from_buffer(mm)
@@ -111,11 +151,12 @@ class PoolMapping:
 
     @classmethod
     def open(cls, path: str, mode: str = "auto", readonly: bool = False, exclusive: bool = False,
-             opener: Callable[[str, int], int] = os.open) -> Self:
-        """Map the pool file. ``exclusive``: hold an advisory lock on it for as long as the
-        mapping lives (mmap keeps a duplicate of the descriptor, and the lock with it), so
-        that a mount and a target daemon never write the same pool as two primaries.
-        ``opener(path, flags)`` opens it (a target opens pools inside its pool directory)."""
+             opener: Callable[[str, int], int] = os.open, length: int | None = None) -> Self:
+        """Map the pool file, or device DAX. ``exclusive``: hold an advisory lock on it for as
+        long as the mapping lives (mmap keeps a duplicate of the descriptor, and the lock with
+        it), so that a mount and a target daemon never write the same pool as two primaries.
+        ``opener(path, flags)`` opens it (a target opens pools inside its pool directory).
+        ``length``: on a device DAX, the pool's size when its header does not say it yet."""
         if mode not in PMEM_MODES:
             raise ValueError(f"pmem mode must be one of {PMEM_MODES}, not {mode!r}")
         try:
@@ -131,10 +172,15 @@ class PoolMapping:
                     raise PmemError(f"pool {path} is in use: mounted, or open in a target daemon "
                                     f"as a replica ({who or 'holder not visible from here'}); "
                                     "stop that process first") from None
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise PmemError(f"pool {path} is empty: create it at its full size first")
-            mm, kind = _map(fd, size, path, mode, readonly)
+            st = os.fstat(fd)
+            if stat.S_ISCHR(st.st_mode):
+                mm, size = _map_device(fd, st, path, readonly, length)
+                kind = "devdax"
+            else:
+                size = st.st_size
+                if size == 0:
+                    raise PmemError(f"pool {path} is empty: create it at its full size first")
+                mm, kind = _map(fd, size, path, mode, readonly)
         finally:
             # The mapping does not need the descriptor (mmap keeps a duplicate of its own).
             os.close(fd)
@@ -254,12 +300,14 @@ class PoolMapping:
         ffi.release(self._base)
         try:
             self.buf.release()
+            self._whole.release()
             self._mm.close()
         except BufferError:
             # A caller still holds a view into the pool: keep the mapping whole and
             # usable rather than half closed.
             self._base = ffi.from_buffer(self._mm)
-            self.buf = memoryview(self._mm)
+            self._whole = memoryview(self._mm)
+            self.buf = self._whole if self.size == len(self._mm) else self._whole[: self.size]
             raise
         self._closed = True
 

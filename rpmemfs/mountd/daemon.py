@@ -25,7 +25,7 @@ from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.membership import Membership
 from rpmemfs.mountd.options import MountOptions
-from rpmemfs.mountd.unmount import Ending, clear_mountpoint
+from rpmemfs.mountd.unmount import Ending, clear_mountpoint, not_durable
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import write_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, next_epoch, show_epoch
@@ -441,7 +441,7 @@ class Mounted:
             return serve_snapshots(self.mo.metrics, self.metrics_snapshot, mount_families)
         except OSError as e:
             # Metrics are for watching the mount, not a reason to refuse it.
-            log.error("metrics: cannot serve on %s: %s", self.mo.metrics, e.strerror or e)
+            log.error("metrics: cannot serve on %s: %s", self.mo.metrics.url(), e.strerror or e)
             return lambda: None
 
     def metrics_snapshot(self) -> dict[str, Any]:
@@ -479,8 +479,8 @@ class Mounted:
             elif not served:
                 last["error"] = "the mount was refused before it served; the pool is as it was"
             else:
-                last["error"] = ("the last durability point did not reach the replicas it needed (its log "
-                                 f"says why: {logs.destination()}); the next mount compares them in full")
+                taken = self.replicas.taken_over() if self.replicas is not None else None
+                last["error"] = not_durable(taken, logs.destination())
         except Exception as e:
             last["error"] = f"the pool could not be made durable: {e}"
             raise

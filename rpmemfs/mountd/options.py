@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 from rpmemfs.durability.backlog import DEFAULT_MAX_LAG
 from rpmemfs.durability.commit import DEFAULT_COMMIT, MAX_COMMIT
+from rpmemfs.metrics_endpoint import MetricsEndpoint, metrics_endpoint
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.pmem import PMEM_MODES
 from rpmemfs.poller import DEFAULT_POLL_US, MAX_POLL_US
-from rpmemfs.transport.address import parse_address
 from rpmemfs.units import human, parse_size
 
 # Options mount(8) and fstab hand every helper; they mean nothing to us.
@@ -41,7 +41,11 @@ class MountOptions:
     poll_us: int = DEFAULT_POLL_US
     allow_other: bool = field(default_factory=lambda: os.geteuid() == 0)
     takeover: bool = False  # claim the replicas even from a newer owner (fencing it)
-    metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
+    metrics_address: str | None = None  # metrics=[HOST:]PORT
+    metrics_cert: str | None = None  # metrics over TLS: certificate, key, CA of client certificates
+    metrics_key: str | None = None
+    metrics_client_ca: str | None = None
+    metrics: MetricsEndpoint | None = None  # where and how to serve them: made from the four above
     wire_protection: str | None = None  # None: the process's (aead unless told otherwise)
     extra: list[str] = field(default_factory=list)
 
@@ -109,12 +113,18 @@ def _poll_us(mo: MountOptions, value: str) -> None:
     mo.poll_us = int(value)
 
 
-def _metrics(mo: MountOptions, value: str) -> None:
+def _metrics(mo: MountOptions) -> None:
+    tls = {"metrics_cert": mo.metrics_cert, "metrics_key": mo.metrics_key,
+           "metrics_client_ca": mo.metrics_client_ca}
+    if mo.metrics_address is None:
+        if any(tls.values()):
+            raise MountError(f"{', '.join(k + '=' for k, v in tls.items() if v)} apply only with metrics=")
+        return
     try:
-        parse_address(value, 0)
+        mo.metrics = metrics_endpoint(mo.metrics_address, mo.metrics_cert, mo.metrics_key,
+                                      mo.metrics_client_ca)
     except ValueError as exc:
-        raise MountError(f"metrics= needs HOST:PORT: {exc}") from None
-    mo.metrics = value
+        raise MountError(f"metrics=: {exc}") from None
 
 
 def _wire_protection(mo: MountOptions, value: str) -> None:
@@ -168,8 +178,14 @@ OPTIONS: dict[str, tuple[bool, str, str, Callable[[MountOptions, str], None]]] =
                 f"at once (default {DEFAULT_POLL_US}, 0: off)", _poll_us),
     "allow_other": (False, "allow_other", "let other users in (the default when mounted by root)",
                     _set("allow_other", True)),
-    "metrics": (True, "metrics=HOST:PORT", "serve Prometheus metrics at http://HOST:PORT/metrics",
-                _metrics),
+    "metrics": (True, "metrics=[HOST:]PORT", "serve Prometheus metrics at http://HOST:PORT/metrics "
+                "(PORT alone: on 127.0.0.1); they name the pool and mount point, so see "
+                "docs/operations.md before exposing them", _text("metrics_address")),
+    "metrics_cert": (True, "metrics_cert=F", "serve metrics over TLS with this certificate (PEM)",
+                     _text("metrics_cert")),
+    "metrics_key": (True, "metrics_key=F", "... and its private key (mode 0600)", _text("metrics_key")),
+    "metrics_client_ca": (True, "metrics_client_ca=F", "... and serve only scrapers whose client "
+                          "certificate this CA signed", _text("metrics_client_ca")),
     "log": (True, "log=FILE", "log to FILE (default: stderr in the foreground, else syslog, or "
             "without one a file `rpmemfs status` names)", _text("log_file")),
     "log_level": (True, "log_level=LEVEL", f"{'|'.join(LOG_LEVELS)} (default warning)", _log_level),
@@ -207,4 +223,5 @@ def parse_options(opts: list[str]) -> MountOptions:
             apply(mo, value)
     if mo.max_lag is not None and mo.replication != "async":
         raise MountError("max_lag= applies only with replication=async")
+    _metrics(mo)
     return mo

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import trio
 
-from rpmemfs.fs.mkfs import mkfs
+from rpmemfs.fs.mkfs import mkfs, remove_pool
 from rpmemfs.mountd.errors import ProvisionError
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import Header
@@ -80,6 +79,6 @@ def create_pool(path: str, size: int, specs: list[ReplicaSpec], *, token: bytes 
             create_replicas(path, size, specs, token)
         except BaseException:
             # Half a replicated pool is no pool: nothing is left to mount, or to need --force.
-            os.unlink(path)
+            remove_pool(path)
             raise
     return hdr

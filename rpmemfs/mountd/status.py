@@ -23,6 +23,10 @@ class Health(enum.IntEnum):
 
 def health(st: dict[str, Any]) -> tuple[Health, str]:
     """The mount's health and why, in a few words."""
+    if "error" in st and "pool" not in st:
+        # The daemon answered, but with nothing of the pool (a bug behind its handler, a
+        # daemon of another version): that tells nothing of its health.
+        return Health.UNKNOWN, f"its daemon answered status with an error: {st['error']}"
     replicas = st.get("replicas") or []
     n = len(replicas)
     in_sync = sum(1 for r in replicas if r.get("state") == "in-sync")
@@ -133,6 +137,6 @@ def format_status(st: dict[str, Any]) -> str:
             at = r.get("last_error_at") or ""
             rows.append((f"{r.get('address')}/{r.get('name')}", f"{r.get('state')}{_progress(r)}",
                          _lag(r), human(int(r.get("bytes") or 0)), str(r.get("barriers") or 0),
-                         f"{at[:19].replace('T', ' ')} UTC {err}" if err else "-"))
+                         "-" if not err else f"{at[:19].replace('T', ' ')} UTC {err}" if at else err))
         lines += _table(rows)
     return "\n".join(lines)

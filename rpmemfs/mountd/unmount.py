@@ -38,6 +38,7 @@ import trio
 from rpmemfs.mountd import control
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountinfo import MountEntry, mount_at
+from rpmemfs.units import count
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -85,19 +86,21 @@ def detach(point: str, source: str, *, lazy: bool) -> None:
 
 
 def connection_lost(point: str, timeout: float = 2.0) -> bool:
-    """Whether the FUSE mount at ``point`` has lost its daemon (a stat says ENOTCONN). A stat
-    that does not answer within ``timeout`` (a daemon alive but stuck) is not a lost one."""
+    """Whether the FUSE mount at ``point`` has lost its daemon (statfs says ENOTCONN). A
+    statfs that does not answer within ``timeout`` (a daemon alive but stuck) is not a lost
+    one. Not stat: the kernel answers it from its attribute cache for a while after the
+    daemon died."""
     result: list[int] = []
 
     def probe() -> None:
         try:
-            os.stat(point)
+            os.statvfs(point)
         except OSError as e:
             result.append(e.errno or 0)
         else:
             result.append(0)
 
-    t = threading.Thread(target=probe, name="stat-mount", daemon=True)
+    t = threading.Thread(target=probe, name="statfs-mount", daemon=True)
     t.start()
     t.join(timeout)
     return result == [errno.ENOTCONN]
@@ -111,6 +114,20 @@ def dead_mount(entry: MountEntry) -> str:
         what, how = f"{entry.source} ({entry.fstype})", "umount"
     return (f"{entry.mountpoint} is a dead mount of {what} (its daemon has died): `{how} "
             f"{entry.mountpoint}` takes it away")
+
+
+def not_durable(taken_over: str | None, log_at: str) -> str:
+    """Why a mount's last durability point did not reach the replicas it needed, for
+    `rpmemfs umount`: what the next mount of the pool does about it, and where the log is."""
+    if taken_over is None:
+        return ("the last durability point did not reach the replicas it needed (its log says "
+                f"why: {log_at}); the next mount compares them in full")
+    return ("this pool was fenced by a failover (a promote, or a mount with -o takeover, "
+            f"elsewhere): {taken_over}; that pool is the primary now. What was written here "
+            "since stays in this pool file alone, and the next mount of this pool with its "
+            "replicas is refused (nothing is changed); to make it a replica of the new primary, "
+            "or to fail back onto it, see docs/failover.md, \"The old primary comes back\" (its "
+            f"log: {log_at})")
 
 
 def clear_mountpoint(mountpoint: str, source: str) -> None:
@@ -234,8 +251,8 @@ class Ending:
         await self._detached.wait()
         await trio.sleep(IDLE_POLL_SECONDS)  # time for the loop to end by itself
         if n := handles_open():
-            log.warning("%s is detached; %d files or directories still open there are served "
-                        "until they are closed%s", self.mountpoint, n,
+            log.warning("%s is detached; %s still open there are served until they are "
+                        "closed%s", self.mountpoint, count(n, "file or directory", "files or directories"),
                         f" ({self._second} again stops now)" if self._second else "")
         while handles_open():
             await trio.sleep(IDLE_POLL_SECONDS)

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from rpmemfs.pool.layout import epoch_gen, next_epoch, show_epoch
+from rpmemfs.printable import printable
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import Transport, TransportError
 from rpmemfs.transport.choose import transport_for
@@ -70,13 +71,16 @@ def holder(pool: str, mountpoint: str | None = None, command: str = "mount") -> 
 
 
 def read_probe(spec: ReplicaSpec, reply: Mapping[str, Any]) -> Probe:
+    """What a target said of its pool; its text escaped (printable), since this mount repeats
+    it in its errors, its log and its status."""
     owner = reply.get("owner")
-    p = Probe(spec, writer=reply.get("writer") if isinstance(reply.get("writer"), str) else None)
+    writer = reply.get("writer")
+    p = Probe(spec, writer=printable(writer) if isinstance(writer, str) else None)
     if isinstance(owner, dict) and isinstance(owner.get("epoch"), int):
         p.epoch = owner["epoch"]
-        p.owner = str(owner.get("described") or "")
+        p.owner = printable(str(owner.get("described") or ""))
         if owner.get("resync") is not None:
-            p.resync = str(owner.get("resync_described") or "a resync began and did not end")
+            p.resync = printable(str(owner.get("resync_described") or "a resync began and did not end"))
     if isinstance(reply.get("size"), int):
         p.size = reply["size"]
     raw_uuid = reply.get("uuid")

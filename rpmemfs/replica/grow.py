@@ -14,7 +14,7 @@ from collections.abc import Callable
 import trio
 
 from rpmemfs.pmem import PoolMapping
-from rpmemfs.pool.grow import grow_file, grown
+from rpmemfs.pool.grow import check_room, grow_file, grown
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import Header, PoolFormatError
 from rpmemfs.replica.errors import ReplicationError
@@ -58,6 +58,7 @@ def grow_pool(path: str, size: int, token: bytes | None | Callable[[str | None],
             old, _ = read_header(pm.buf)
             table = inspect_table(pm.buf)
         grown(old, size)  # refused here, before any replica grows, if the pool cannot
+        check_room(path, size)
     except PoolFormatError as exc:
         raise GrowError(f"cannot grow {path}: {exc}") from None
     specs = table.replicas

@@ -2,7 +2,9 @@
 primary can never write the replicas again.
 
 1. Read the source replica's header and replica table: the pool's replicas, as its last
-   primary recorded them (the table lives in the pool, so every replica holds it).
+   primary recorded them (the table lives in the pool, so every replica holds it). A file
+   at NEWPOOL that is no older copy of this pool is refused here, before anything is
+   claimed, unless --force.
 2. Ask every replica who owns it (fencing.probe_replicas) and take an epoch above all of them:
    the next generation after the highest, with a random nonce.
 3. Claim every reachable replica with it, as a takeover. Each target records the claim before
@@ -77,6 +79,16 @@ def _same_pool(path: str, hdr: Header) -> bool:
     return mine.uuid == hdr.uuid and mine.pool_size == hdr.pool_size
 
 
+def _refuse_destination(pool: str, hdr: Header, force: bool) -> None:
+    """Before anything is claimed: a promote that stops at its own destination must not have
+    fenced the primary already."""
+    if force or not os.path.lexists(pool) or _same_pool(pool, hdr):
+        return
+    raise RepairError(f"{pool} exists and is not an older copy of this pool (another pool, or "
+                      "another size: grown since?); nothing was claimed. Name another file, or "
+                      "give --force to replace it with a whole copy")
+
+
 async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
                        unfinished_resync: bool = False, progress: Progress | None = None,
                        timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
@@ -97,6 +109,7 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         if str(source) not in {str(s) for s in specs}:
             raise RepairError(f"replica {source} is not in its own pool's replica table "
                               f"({', '.join(map(str, specs))}); promote from one of those")
+        _refuse_destination(pool, hdr, force)
         others = [s for s in specs if str(s) != str(source)]
         specs_by_name = {str(s): s for s in specs}
         probes = [src_probe, *await probe_replicas(others, token, timeout)]

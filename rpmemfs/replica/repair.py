@@ -124,6 +124,11 @@ def refuse_unfinished(probe: Probe, allowed: bool) -> None:
 
 
 def create_file(path: str, size: int, force: bool) -> int:
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        # --force replaces a pool file; a device node is never truncated, nor unlinked when
+        # fallocate fails on it.
+        raise RepairError(f"{path} is not a regular file: recover and promote write a pool file "
+                          "(onto a device DAX is not supported yet)")
     if os.path.lexists(path) and not force:
         raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)")
     parent = os.path.dirname(os.path.abspath(path)) or "."

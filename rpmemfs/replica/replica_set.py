@@ -238,8 +238,11 @@ class ReplicaSet(Barriers):
             log.debug("replica %s: reconnecting", replica.spec)
             cleared, since = replica.last_error, replica.last_error_at
             if await self._bring_up(replica):
-                log.warning("replica %s is in sync again (its last error, at %s: %s)",
-                            replica.spec, since, cleared)
+                if cleared:
+                    log.warning("replica %s is in sync again (its last error, at %s: %s)",
+                                replica.spec, since, cleared)
+                else:  # a replica just added, say: it was never out of sync with an error
+                    log.info("replica %s is in sync", replica.spec)
                 told = ""
                 on_change()
             else:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from rpmemfs.latency import BOUNDS_S, bucket_quantile
+from rpmemfs.printable import printable
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.tcp import connect
 from rpmemfs.units import count, human
@@ -48,7 +49,17 @@ def _latency(bound: float | None) -> str:
     return f"<= {bound * 1e6:g} us" if bound < 1e-3 else f"<= {bound * 1e3:g} ms"
 
 
-def format_pools(address: str, pools: dict[str, Any]) -> str:
+def _quota_line(name: str, q: dict[str, Any]) -> str:
+    """A pools token's usage against its limits on this target."""
+    used = human(int(q.get("used") or 0))
+    space = f"{used} of {human(q['quota'])}" if q.get("quota") else f"{used} (no space quota)"
+    n = int(q.get("pools") or 0)
+    most = q.get("max_pools")
+    pools = f"{n} of {most} pools" if most else f"{count(n, 'pool')} (no pool limit)"
+    return f"quota of token {name}: {space}, {pools}"
+
+
+def format_pools(address: str, pools: dict[str, Any], quotas: dict[str, Any] | None = None) -> str:
     rows = [("pool", "size", "owner epoch", "owner", "since", "writer", "sessions", "last activity",
              "persisted", "persist p99", "resync")]
     for name, p in pools.items():
@@ -65,7 +76,10 @@ def format_pools(address: str, pools: dict[str, Any]) -> str:
                      _latency(bucket_quantile(p.get("persist_buckets") or [], 0.99)),
                      f"UNFINISHED since {_when(owner['resync'].get('since'))}"
                      if owner.get("resync") else "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    # Every cell is the target's text, holders' included: escaped, one line each (printable).
+    shown = [[printable(str(c)) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
     lines = [f"target {address}: {count(len(pools), 'pool')}"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in shown]
+    lines += [_quota_line(name, q) for name, q in sorted((quotas or {}).items())]
     return "\n".join(lines)

@@ -13,14 +13,19 @@ from collections.abc import Sequence
 import trio
 
 from rpmemfs import logs
+from rpmemfs.metrics_endpoint import metrics_endpoint
 from rpmemfs.pmem import PMEM_MODES
 from rpmemfs.target.admission import (
+    DEFAULT_ADMIN_RESERVE,
+    DEFAULT_EMPTY_SESSION_TIMEOUT,
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_PEER,
+    DEFAULT_MAX_PER_TOKEN,
     MAX_HANDSHAKE_TIMEOUT,
 )
 from rpmemfs.target.authz import DEFAULT_NAME, AuthzError, Grant, TokenBook, read_authz
 from rpmemfs.target.errors import TargetError
+from rpmemfs.target.pooldevs import PoolDevError, parse_pool_dev
 from rpmemfs.target.pooldir import PoolDirError, check_pool_dir
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.server import TargetConfig, serve
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on (port 0: any)")
     p.add_argument("--pool-dir", required=True, metavar="DIR", help="directory that holds the pools")
+    p.add_argument("--pool-dev", action="append", metavar="NAME=DEV",
+                   help="pool NAME lives on the device DAX DEV (/dev/daxX.Y), held for the target's "
+                   "life; its records stay in --pool-dir (repeatable)")
     p.add_argument(
         "--token-file", metavar="F",
         help="the admin token initiators must hold, one a line (a rotation adds the new one beside "
@@ -80,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pool-size", default="1T", metavar="SIZE", help="largest pool one may create")
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="authenticated connections at most (default 1024)")
+    p.add_argument("--max-connections-per-token", type=int, default=DEFAULT_MAX_PER_TOKEN, metavar="N",
+                   help="authenticated connections one pools token may hold, lanes included, unless its "
+                   f"--authz line says connections=N (default {DEFAULT_MAX_PER_TOKEN}; admin tokens: no "
+                   "cap of their own)")
+    p.add_argument("--admin-reserve", type=int, metavar="N",
+                   help="of --max-connections, how many only admin tokens may use (default "
+                   f"{DEFAULT_ADMIN_RESERVE}, or half of --max-connections if that is less)")
     p.add_argument("--max-handshakes", type=int, default=DEFAULT_MAX_HANDSHAKES, metavar="N",
                    help="connections that have not authenticated yet, at most; over it the oldest "
                    f"handshake of the peer with the most is closed (default {DEFAULT_MAX_HANDSHAKES})")
@@ -93,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--idle-timeout", type=float, default=0.0, metavar="S",
         help="close connections idle this long (default 0: never; TCP keepalive finds dead peers)",
+    )
+    p.add_argument(
+        "--empty-session-timeout", type=float, default=DEFAULT_EMPTY_SESSION_TIMEOUT, metavar="S",
+        help="close a control connection whose session has no pool open after S seconds without "
+        f"a request (default {DEFAULT_EMPTY_SESSION_TIMEOUT:g}; 0: never); a mount's, which "
+        "holds its pool, never",
     )
     p.add_argument(
         "--spin-us", type=int, default=DEFAULT_SPIN_US, metavar="US",
@@ -113,8 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: also serve verbs initiators (rdmacm on the same address and port) when an "
         "RDMA device has the listen address; off: TCP only",
     )
-    p.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--metrics", metavar="[HOST:]PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: on "
+                   "127.0.0.1); they name every pool, so see docs/operations.md before exposing them")
+    p.add_argument("--metrics-cert", metavar="F", help="serve metrics over TLS with this certificate (PEM)")
+    p.add_argument("--metrics-key", metavar="F", help="... and its private key (mode 0600)")
+    p.add_argument("--metrics-client-ca", metavar="F",
+                   help="... and serve only scrapers whose client certificate this CA signed")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -134,24 +160,32 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
     try:
         host, port = parse_address(args.listen, DEFAULT_PORT)
         max_pool = parse_size(args.max_pool_size)
-        if args.metrics is not None:
-            parse_address(args.metrics, 0)
     except ValueError as exc:
         raise StartError(str(exc)) from None
+    try:
+        metrics = None if args.metrics is None else metrics_endpoint(
+            args.metrics, args.metrics_cert, args.metrics_key, args.metrics_client_ca)
+    except ValueError as exc:
+        raise StartError(f"--metrics: {exc}") from None
+    if metrics is None and (args.metrics_cert or args.metrics_key or args.metrics_client_ca):
+        raise StartError("--metrics-cert, --metrics-key and --metrics-client-ca need --metrics")
     for name in ("frame_timeout", "handshake_timeout"):
         if getattr(args, name) <= 0:
             raise StartError(f"--{name.replace('_', '-')} must be positive")
     if args.handshake_timeout > MAX_HANDSHAKE_TIMEOUT:
         # Each open handshake holds a slot: a long deadline lets a slow flood hold them all.
         raise StartError(f"--handshake-timeout is at most {MAX_HANDSHAKE_TIMEOUT:g} seconds")
-    for name in ("max_connections", "max_handshakes", "max_handshakes_per_peer"):
+    for name in ("max_connections", "max_handshakes", "max_handshakes_per_peer",
+                 "max_connections_per_token"):
         if getattr(args, name) < 1:
             raise StartError(f"--{name.replace('_', '-')} must be at least 1")
+    reserve = _admin_reserve(args)
     _raise_descriptor_limit(args.max_connections + args.max_handshakes)
     if not 0 <= args.spin_us <= 1_000_000:
         raise StartError("--spin-us must be between 0 and 1000000")
-    if args.idle_timeout < 0:
-        raise StartError("--idle-timeout must be 0 (never) or positive")
+    for name in ("idle_timeout", "empty_session_timeout"):
+        if getattr(args, name) < 0:
+            raise StartError(f"--{name.replace('_', '-')} must be 0 (never) or positive")
     pool_dir = os.path.realpath(args.pool_dir)
     def load_tokens() -> TokenBook:
         book = TokenBook()
@@ -165,13 +199,19 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         book = load_tokens()
     except (TokenError, AuthzError, PoolDirError) as exc:
         raise StartError(str(exc)) from None
-    store = PoolStore(pool_dir, args.pmem, max_pool)
+    try:
+        pool_devs = [parse_pool_dev(text) for text in args.pool_dev or []]
+        store = PoolStore(pool_dir, args.pmem, max_pool, pool_devs)
+    except PoolDevError as exc:
+        raise StartError(str(exc)) from None
     try:
         kind = store.probe_kind()
     except PoolError as exc:
         raise StartError(str(exc)) from None
-    method = "gpspm" if args.persist == "auto" else args.persist
-    if method == "apm" and kind not in ("dax", "force"):
+    # Pools on device DAX are placed in persistent memory: auto declares so. Pools in the
+    # directory must then map as persistent memory too, or are refused at open (saying so).
+    method = ("apm" if pool_devs else "gpspm") if args.persist == "auto" else args.persist
+    if method == "apm" and kind not in ("dax", "force") and not pool_devs:
         raise StartError(
             f"--persist apm declares that placed writes are persistent, but pools in {pool_dir} map "
             f"as {kind!r}, not persistent memory: use a DAX file system or --pmem force, or "
@@ -183,11 +223,24 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
         rdma=args.rdma == "auto", max_handshakes=args.max_handshakes,
-        max_handshakes_per_peer=args.max_handshakes_per_peer, metrics=args.metrics,
+        max_handshakes_per_peer=args.max_handshakes_per_peer, metrics=metrics,
+        max_connections_per_token=args.max_connections_per_token, admin_reserve=reserve,
+        empty_session_timeout=args.empty_session_timeout or math.inf,
         protect=args.wire_protection == "aead",
         load_tokens=load_tokens,
     )
     return config, store
+
+
+def _admin_reserve(args: argparse.Namespace) -> int:
+    total: int = args.max_connections
+    if args.admin_reserve is None:
+        return min(DEFAULT_ADMIN_RESERVE, total // 2)
+    reserve: int = args.admin_reserve
+    if not 0 <= reserve < total:
+        raise StartError(f"--admin-reserve must be 0 or more and below --max-connections ({total}): "
+                         "pools tokens would have no connection left")
+    return reserve
 
 
 # Descriptors besides connections: pools, owner records, the listener, logs, verbs.

@@ -1,5 +1,6 @@
 """Control requests (JSON in SEND payloads): create, open, probe, pools, evict, grow, resync,
-close, remove, checksum, stats, info.
+close, remove, checksum, stats, info. Creates and grows are held to the token's quota
+(quota.py).
 
 Not the hot path. A refused request gets a clean ``{"ok": false, "error": ...}`` reply and the
 connection stays up: bad input in a request is not a framing violation.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,9 +19,11 @@ import trio
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import BLOCK, show_epoch
+from rpmemfs.target.authz import Grant, TokenBook
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.owners import Owner, OwnerBook, clean_holder, refusal
 from rpmemfs.target.pools import PoolError, PoolStore
+from rpmemfs.target.quota import Quotas
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession
 
 if TYPE_CHECKING:
@@ -52,8 +54,11 @@ def _crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
 
 
 class ControlService:
-    def __init__(self, store: PoolStore, sessions: SessionTable, method: str, info: dict[str, Any]) -> None:
+    def __init__(self, store: PoolStore, sessions: SessionTable, method: str, info: dict[str, Any],
+                 tokens: TokenBook | None = None) -> None:
         self._store = store
+        self._tokens = tokens or TokenBook()
+        self._quotas = Quotas(store)
         self._sessions = sessions
         self._method = method
         self.info = info
@@ -90,11 +95,13 @@ class ControlService:
             if op == "probe":
                 return self._probe(request)
             if op == "pools":
-                return {"ok": True, "pools": session.grant.visible(self.listing())}
+                grants = self._tokens.grants() if session.grant.admin else [self._limits(session)]
+                return {"ok": True, "pools": session.grant.visible(self.listing()),
+                        "quotas": self._quotas.report(grants)}
             if op == "evict":
                 return self._evict(session, request)
             if op == "grow":
-                return await self._grow(request)
+                return await self._grow(session, request)
             if op == "resync":
                 return self._resync(session, request)
             if op == "close":
@@ -137,10 +144,17 @@ class ControlService:
             "writable": region.writable,
         }
 
+    def _limits(self, session: TargetSession) -> Grant:
+        """The session's grant as the token files say now: a quota lowered by a reload holds
+        for sessions already open too."""
+        return self._tokens.named(session.grant.name) or session.grant
+
     async def _create(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         name = check_name(request.get("name"))
-        # fallocate of a large pool takes a while; the other connections are served meanwhile.
-        await trio.to_thread.run_sync(self._store.create_file, name, request.get("size"))
+        size = request.get("size")
+        with self._quotas.making(self._limits(session), name, size, grow=False):
+            # fallocate of a large pool takes a while; the other connections are served meanwhile.
+            await trio.to_thread.run_sync(self._store.create_file, name, size)
         try:
             return self._open(session, request)
         except BaseException:
@@ -159,12 +173,7 @@ class ControlService:
     def _ownership(self, name: str) -> dict[str, Any]:
         """What the target knows of pool ``name`` without mapping it: size, uuid, owner,
         writer. PoolNameError when there is no such pool."""
-        fd = self._store.dir.open(check_name(name), os.O_RDONLY)
-        try:
-            head = os.pread(fd, 2 * BLOCK, 0)
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        size, head = self._store.head(check_name(name), 2 * BLOCK)
         hdr = find_header(memoryview(head))
         owner = self._owner(name, hdr.epoch if hdr else None)
         writer = self._writers.get(name)
@@ -180,7 +189,7 @@ class ControlService:
     def listing(self) -> dict[str, Any]:
         """Every pool in the directory: size, owner, writer, sessions, activity, counters."""
         out: dict[str, Any] = {}
-        for name in self._store.dir.names():
+        for name in self._store.names():
             try:
                 entry = self._ownership(name)
             except (PoolNameError, OSError):
@@ -330,11 +339,13 @@ class ControlService:
             self._sessions.unregister(old_session, old_key)
         self._writers[name] = (session, region.key)
 
-    async def _grow(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _grow(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
         """Grow a pool no session has open (`rpmemfs grow` grows the replicas before the
         primary). The initiator writes the bigger pool's header with its next barriers."""
         name = check_name(request.get("name"))
-        grew = await trio.to_thread.run_sync(self._store.grow_file, name, request.get("size"))
+        size = request.get("size")
+        with self._quotas.making(self._limits(session), name, size, grow=True):
+            grew = await trio.to_thread.run_sync(self._store.grow_file, name, size)
         return {"ok": True, "grown": grew}
 
     def _resync(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:

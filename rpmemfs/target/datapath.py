@@ -88,6 +88,7 @@ class FrameLoop:
         idle_timeout: float,
         frame_timeout: float,
         native: NativeLane | None = None,
+        empty_timeout: float = math.inf,
     ) -> None:
         self._io = io
         self._native = native
@@ -98,6 +99,10 @@ class FrameLoop:
         self._control = control
         self._apm = apm
         self._idle_timeout = idle_timeout
+        # A control connection whose session holds no pool serves nobody while it waits (a
+        # mount's always holds its pool): it is closed sooner, so it cannot keep a slot.
+        self._empty_timeout = min(empty_timeout, idle_timeout)
+        self._waited = idle_timeout  # the idle deadline of the current wait, for the log
         self._frame_timeout = frame_timeout
         self._dirty: list[tuple[Pool, int, int]] = []
         self._last_id = 0
@@ -119,9 +124,18 @@ class FrameLoop:
         if scope.cancelled_caught:
             self._log_deadline()
 
+    def _empty(self) -> bool:
+        return self._role == Role.CONTROL and not self._session.regions
+
+    def idle_and_empty(self) -> bool:
+        """Whether this connection holds nothing now: a control connection whose session has
+        no pool open, waiting for a request (what may be closed to make room)."""
+        return self._phase == "idle" and self._empty()
+
     def _log_deadline(self) -> None:
         if self._phase == "idle":
-            log.info("peer %s: closing %s idle for %gs", self._peer, self._what, self._idle_timeout)
+            empty = " holding no pool" if self._waited < self._idle_timeout else ""
+            log.info("peer %s: closing %s%s idle for %gs", self._peer, self._what, empty, self._waited)
         elif self._phase == "frame":
             log.warning(
                 "peer %s: closing %s: frame not completed within %gs (truncated or stalled)",
@@ -194,7 +208,8 @@ class FrameLoop:
         else:
             if not reader.buffered:
                 self._phase = "idle"
-                self._io.arm(self._idle_timeout)
+                self._waited = self._empty_timeout if self._empty() else self._idle_timeout
+                self._io.arm(self._waited)
                 await reader.fill(1)
             self._frame_phase()
             frame = await reader.header()

@@ -16,6 +16,7 @@ from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport import auth, protection
 from rpmemfs.transport.sockio import SockIO
 from rpmemfs.transport.stream import FrameReader, PeerClosed, send_all
+from rpmemfs.transport.tokens import key_id
 from rpmemfs.transport.wire import (
     F_CLOSE,
     HELLO_F_NO_AES,
@@ -109,14 +110,15 @@ async def accept(
     book: TokenBook,
     sessions: SessionTable,
     info: dict[str, Any],
-    before_auth_failure: Callable[[], Awaitable[None]] | None = None,
+    before_auth_failure: Callable[[bytes | None], Awaitable[None]] | None = None,
     *,
     protect: bool = True,
 ) -> tuple[Role, TargetSession]:
     """Run the handshake (under the caller's deadline); HandshakeRefused says why it failed.
 
     The peer has been told the reason when this raises HandshakeRefused; a failed proof (or
-    an unknown token) is told only after ``before_auth_failure`` returns: the throttle.
+    an unknown token) is told only after ``before_auth_failure`` returns: the throttle, given
+    the key id of the token that was to be proved (None: a key id the target does not know).
     """
     try:
         try:
@@ -151,13 +153,13 @@ async def accept(
             sock.protect(cipher, keys.target_to_initiator, keys.initiator_to_target)
     except WireError as exc:
         if exc.code == Code.AUTH_FAILED and before_auth_failure is not None:
-            await before_auth_failure()
+            await before_auth_failure(None)
         await refuse(sock, exc.code, exc.reason)
         raise HandshakeRefused(exc.code, exc.reason) from None
     if not auth.same(answer, auth.initiator_proof(keys, transcript)):
         reason = "authentication failed: the initiator does not hold the token it named"
         if before_auth_failure is not None:
-            await before_auth_failure()
+            await before_auth_failure(key_id(token))
         await refuse(sock, Code.AUTH_FAILED, reason)
         raise HandshakeRefused(Code.AUTH_FAILED, f"{reason} ({grant.name!r})")
     if found is not None:

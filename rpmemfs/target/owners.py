@@ -24,19 +24,25 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rpmemfs.pool.layout import epoch_gen, show_epoch
+from rpmemfs.printable import printable
 from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pooldir import PoolDir
 
 log = logging.getLogger("rpmemfs.target.owners")
 
-MAX_RECORD = 4096
-# What an initiator may say about itself; the target repeats it to whoever it refuses.
+# What an initiator may say about itself; the target repeats it to whoever it refuses, to its
+# log and to `rpmemfs pools`: stored escaped (printable) and cut to MAX_HOLDER_TEXT characters.
 HOLDER_FIELDS = {"host": str, "pid": int, "pool": str, "mountpoint": str, "command": str}
 MAX_HOLDER_TEXT = 256
+# The largest record those bounds allow: five strings (four holder fields and the resync's
+# "by") of MAX_HOLDER_TEXT characters, each at most 12 bytes in JSON (a character outside the
+# BMP is a surrogate pair of \uXXXX escapes), is 15 KiB. A record cut short when read would
+# be unreadable, and the pool's header (the writer's own bytes) would fence in its place.
+MAX_RECORD = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -71,14 +77,15 @@ class Owner:
 
 
 def clean_holder(value: object) -> dict[str, Any]:
-    """The holder fields an initiator sent, checked (unknown fields and bad types dropped)."""
+    """The holder fields an initiator sent, checked (unknown fields and bad types dropped, text
+    escaped and bounded); records written before text was escaped are cleaned as they are read."""
     if not isinstance(value, dict):
         return {}
     out: dict[str, Any] = {}
     for key, kind in HOLDER_FIELDS.items():
         v = value.get(key)
         if isinstance(v, kind) and not isinstance(v, bool):
-            out[key] = v[:MAX_HOLDER_TEXT] if isinstance(v, str) else v
+            out[key] = printable(v)[:MAX_HOLDER_TEXT] if isinstance(v, str) else v
     return out
 
 
@@ -91,17 +98,24 @@ def _resync(value: object) -> dict[str, Any] | None:
     since = value.get("since")
     by = value.get("by")
     return {"since": float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else 0.0,
-            "by": by[:MAX_HOLDER_TEXT] if isinstance(by, str) else ""}
+            "by": printable(by)[:MAX_HOLDER_TEXT] if isinstance(by, str) else ""}
 
 
 def refusal(owner: Owner | None, prev: int, cur: int, takeover: bool) -> str | None:
     """Why an initiator claiming the pool at ``cur`` (it was at ``prev`` before this mount)
     must not write it, or None.
 
-    A normal claim is let in when the pool is where this initiator left it (``prev``), already
-    at ``cur`` (a reconnect within one mount), or behind by a generation or more (a replica
-    that missed this initiator's earlier mounts: resync brings it up to date). Anything else
-    was claimed by another initiator since (a failover): refused.
+    Epochs on a target only rise: a claim at the recorded epoch itself (a reconnect within one
+    mount) keeps it; any other must be above it. ``prev`` is the claimant's word: were it
+    enough, a client holding a token could claim with ``prev`` = the record at a lower epoch
+    (or the fenced primary's own), and the primary a failover fenced would be let in again.
+
+    A normal claim rises a generation (a mount claims at the generation after the one its
+    pool was at): it is let in when the pool is where this initiator left it (``prev``) or
+    behind by a generation or more (a replica that missed this initiator's earlier mounts:
+    resync brings it up to date), and ``cur`` is of a later generation than the record.
+    Anything else was claimed by another initiator since (a failover), or would not rise:
+    refused.
 
     A takeover (promote, mount --takeover) is let in only with an epoch above the recorded
     one. Epochs compare as integers (generation, then nonce), so of two takeovers racing with
@@ -115,12 +129,18 @@ def refusal(owner: Owner | None, prev: int, cur: int, takeover: bool) -> str | N
             return None
         return (f"it is held by {owner.describe()}, which is not older than this takeover's "
                 f"epoch {show_epoch(cur)}; another takeover won")
-    if recorded in (prev, cur) or epoch_gen(recorded) < epoch_gen(prev):
+    if cur == recorded:
         return None
-    # The epoch it claims under (a running mount's own, as its status shows), not ``prev``.
-    return (f"it is held by {owner.describe()}, but this initiator claims it at epoch "
-            f"{show_epoch(cur)}: the pool was taken over since (a failover) and has moved on; "
-            "refusing to let an older owner write it (see docs/failover.md)")
+    if recorded != prev and epoch_gen(recorded) >= epoch_gen(prev):
+        # The epoch it claims under (a running mount's own, as its status shows), not ``prev``.
+        return (f"it is held by {owner.describe()}, but this initiator claims it at epoch "
+                f"{show_epoch(cur)}: the pool was taken over since (a failover) and has moved on; "
+                "refusing to let an older owner write it (see docs/failover.md)")
+    if epoch_gen(cur) <= epoch_gen(recorded):
+        return (f"it is held by {owner.describe()}, and this claim's epoch {show_epoch(cur)} is not "
+                "of a later generation: epochs on a target only rise, and a claim that does not "
+                "rise is not let in (see docs/failover.md)")
+    return None
 
 
 class OwnerBook:
@@ -170,7 +190,9 @@ class OwnerBook:
             return None
 
     def set(self, name: str, owner: Owner) -> None:
-        """Record ``owner`` durably before returning (write, fsync, rename, fsync the dir)."""
+        """Record ``owner`` durably before returning (write, fsync, rename, fsync the dir); its
+        text checked and bounded here, whoever built it, so that the record reads back whole."""
+        owner = replace(owner, holder=clean_holder(owner.holder), resync=_resync(owner.resync))
         path = self._record(name)
         tmp = f"{path}.tmp"
         data = json.dumps({"epoch": owner.epoch, "holder": owner.holder, "since": owner.since,

@@ -1,4 +1,5 @@
-"""The pools a target serves: files under the pool directory, mapped while any session uses them."""
+"""The pools a target serves: files under the pool directory, or device DAX namespaces given by
+--pool-dev (pooldevs.py), mapped while any session uses them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import Header
 from rpmemfs.target.errors import TargetError
+from rpmemfs.target.names import PoolNameError
+from rpmemfs.target.pooldevs import PoolDevError, PoolDevices
 from rpmemfs.target.pooldir import PoolDir
 from rpmemfs.units import human
 
@@ -87,9 +90,12 @@ class Pool:
     """One mapped pool file. ``users`` counts tasks inside an await with a view of the mapping;
     the mapping is unmapped only when no region refers to it and no task is using it."""
 
-    def __init__(self, name: str, fd: int, mapping: PoolMapping, counters: PoolCounters) -> None:
+    def __init__(self, name: str, fd: int | None, mapping: PoolMapping, counters: PoolCounters) -> None:
         self.name = name
-        self._fd = fd  # for the fsync at close: the file that was mapped, not what has its name now
+        # For the fsync at close: the file that was mapped, not what has its name now. None
+        # for a device DAX: nothing of it is dirty (every persist wrote its lines back), and it
+        # refuses fsync.
+        self._fd = fd
         self.mapping = mapping
         self.buf = mapping.buf
         self.size = mapping.size
@@ -152,11 +158,13 @@ class Pool:
         try:
             # fsync writes back what is dirty, whatever the mapping kind, in proportion to
             # what is dirty rather than to the pool's size.
-            os.fsync(self._fd)
+            if self._fd is not None:
+                os.fsync(self._fd)
         except OSError as exc:
             log.error("pool %s: persisting at close failed: %s", self.name, exc.strerror)
         finally:
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)
         self.buf = memoryview(b"")
         try:
             self.mapping.close()
@@ -165,9 +173,15 @@ class Pool:
 
 
 class PoolStore:
-    def __init__(self, pool_dir: str, pmem_mode: str, max_pool_size: int) -> None:
+    def __init__(self, pool_dir: str, pmem_mode: str, max_pool_size: int,
+                 pool_devs: list[tuple[str, str]] | None = None) -> None:
         self.pool_dir = os.path.realpath(pool_dir)
         self.dir = PoolDir(self.pool_dir)
+        try:
+            self.devices = PoolDevices(self.dir, pool_devs or [])
+        except BaseException:
+            self.dir.close()
+            raise
         self.pmem_mode = pmem_mode
         self.max_pool_size = max_pool_size
         self._open: dict[str, Pool] = {}
@@ -193,7 +207,16 @@ class PoolStore:
         finally:
             self.dir.unlink(name, missing_ok=True)
 
-    def _check_size(self, name: str, size: object) -> int:
+    @staticmethod
+    def _on_device(call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except PoolDevError as exc:
+            raise PoolError(str(exc), exc.code) from None
+        except PmemError as exc:
+            raise PoolError(str(exc), "io") from None
+
+    def _check_size(self, name: str, size: object, disk: bool = True) -> int:
         if not isinstance(size, int) or isinstance(size, bool):
             raise PoolError("pool size must be an integer number of bytes", "size")
         if size < PAGE or size % PAGE:
@@ -204,6 +227,8 @@ class PoolStore:
                 f"{self.max_pool_size} ({human(self.max_pool_size)})",
                 "size",
             )
+        if not disk:
+            return size
         free = shutil.disk_usage(self.pool_dir).free
         if size > free:
             raise PoolError(
@@ -215,6 +240,9 @@ class PoolStore:
 
     def create_file(self, name: str, size: object) -> None:
         """Make a zero-filled pool file of ``size`` bytes (blocking: run it in a thread)."""
+        if name in self.devices:
+            self._on_device(self.devices.create, name, self._check_size(name, size, disk=False))
+            return
         size = self._check_size(name, size)
         try:
             fd = self.dir.create(name, os.O_RDWR)
@@ -248,6 +276,8 @@ class PoolStore:
                             f"{self.max_pool_size} ({human(self.max_pool_size)})", "size")
         if name in self._open:
             raise PoolError(f"pool {name!r} is open; it grows only when no session has it open", "busy")
+        if name in self.devices:
+            return bool(self._on_device(self.devices.grow, name, size))
         fd = self.dir.open(name, os.O_RDWR)  # relative to the pool directory, no links followed
         try:
             st = os.fstat(fd)
@@ -279,6 +309,10 @@ class PoolStore:
         return pool
 
     def _map(self, name: str) -> Pool:
+        if name in self.devices:
+            mapping = self._on_device(self.devices.map, name, self.pmem_mode)
+            log.info("pool %s mapped (%d bytes of device DAX %s)", name, mapping.size, mapping.path)
+            return Pool(name, None, mapping, self._counters.setdefault(name, PoolCounters()))
         fd = self.dir.open(name, os.O_RDWR)
         try:
             # The one file opened and checked here is the one mapped (and fsynced at close).
@@ -302,6 +336,12 @@ class PoolStore:
             log.info("pool %s closed", pool.name)
 
     def remove(self, name: str) -> None:
+        if name in self.devices:
+            if name in self._open:
+                raise PoolError(f"pool {name!r} is open; close it in every session first", "busy")
+            self._on_device(self.devices.remove, name)
+            self._counters.pop(name, None)
+            return
         os.close(self.dir.open(name, os.O_RDONLY))  # a pool, not a link or anything else
         if name in self._open:
             raise PoolError(f"pool {name!r} is open; close it in every session first", "busy")
@@ -312,6 +352,26 @@ class PoolStore:
             raise PoolError(f"cannot remove pool {name!r}: {exc.strerror}", "io") from exc
         self._counters.pop(name, None)
         log.info("pool %s removed", name)
+
+    def names(self) -> list[str]:
+        """What may be a pool: the pool directory's entries and the device pools that exist."""
+        return sorted({*self.dir.names(), *self.devices.names()})
+
+    def head(self, name: str, nbytes: int) -> tuple[int, bytes]:
+        """(size, its first ``nbytes``) of pool ``name``, without mapping a pool file;
+        PoolNameError when there is no such pool."""
+        if name in self.devices:
+            size = self.devices.size(name)
+            if size is None:
+                raise PoolNameError(f"pool {name!r} does not exist")
+            # A device DAX cannot be read(2); it is mapped (read-only, never written).
+            with self._on_device(self.devices.map, name, self.pmem_mode) as pm:
+                return size, bytes(pm.buf[:nbytes])
+        fd = self.dir.open(name, os.O_RDONLY)
+        try:
+            return os.fstat(fd).st_size, os.pread(fd, nbytes, 0)
+        finally:
+            os.close(fd)
 
     def stats(self, name: str | None = None) -> dict[str, Any]:
         names = [name] if name is not None else sorted(self._counters)

@@ -14,12 +14,18 @@ from typing import Any
 
 import trio
 
+from rpmemfs.metrics_endpoint import MetricsEndpoint
 from rpmemfs.sdnotify import notify
 from rpmemfs.target.admission import (
+    DEFAULT_ADMIN_RESERVE,
+    DEFAULT_EMPTY_SESSION_TIMEOUT,
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_PEER,
+    DEFAULT_MAX_PER_TOKEN,
     Admission,
+    Connection,
     FailedProofs,
+    Full,
     Handshake,
 )
 from rpmemfs.target.authz import AuthzError, TokenBook
@@ -59,7 +65,11 @@ class TargetConfig:
     rdma: bool = True  # serve verbs lanes too, where an RDMA device has the listen address
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES  # unauthenticated connections, in total...
     max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
-    metrics: str | None = None  # HOST:PORT to serve Prometheus metrics on
+    max_connections_per_token: int = DEFAULT_MAX_PER_TOKEN  # a pools token's, unless its line says
+    admin_reserve: int = DEFAULT_ADMIN_RESERVE  # of max_connections, for admin tokens alone
+    # A control connection whose session holds no pool, idle this long, is closed.
+    empty_session_timeout: float = DEFAULT_EMPTY_SESSION_TIMEOUT
+    metrics: MetricsEndpoint | None = None  # where to serve Prometheus metrics, and how
     protect: bool = True  # TCP traffic sealed (docs/wire.md); False: --wire-protection none
     # Reads the token files again (SIGHUP); raises AuthzError/TokenError/OSError when one is wrong.
     load_tokens: Callable[[], TokenBook] | None = None
@@ -93,11 +103,14 @@ class Server:
             "max_pool_size": config.max_pool_size,
             "wire_protection": "aead" if config.protect else "none",
         }
-        self.control = ControlService(store, self.sessions, config.method, self.info)
+        self.control = ControlService(store, self.sessions, config.method, self.info, config.tokens)
         self.admission = Admission(config.max_connections, config.max_handshakes,
-                                   config.max_handshakes_per_peer)
+                                   config.max_handshakes_per_peer,
+                                   max_per_token=config.max_connections_per_token,
+                                   admin_reserve=config.admin_reserve)
         self.failed_proofs = FailedProofs()
         self._full_logged = 0.0
+        self._pushed_out_logged = (0.0, 0)  # when, and the count then
 
     async def run(self, listener: socket.socket) -> None:
         """Serve until SIGTERM or SIGINT; then close every connection and every pool. SIGHUP
@@ -136,7 +149,7 @@ class Server:
         try:
             return serve_snapshots(self.config.metrics, self.metrics_snapshot, target_families)
         except OSError as exc:
-            raise SystemExit(f"rpmemfs: cannot serve metrics on {self.config.metrics}: "
+            raise SystemExit(f"rpmemfs: cannot serve metrics on {self.config.metrics.url()}: "
                              f"{exc.strerror or exc}") from None
 
     def metrics_snapshot(self) -> dict[str, Any]:
@@ -198,7 +211,8 @@ class Server:
                 if time.monotonic() - self._full_logged > 10:
                     self._full_logged = time.monotonic()
                     log.warning("refusing connections (the latest from %s): %d authenticated "
-                                "connections open, the cap", addr[0], self.admission.authenticated)
+                                "connections open, the cap, each holding a pool or busy", addr[0],
+                                self.admission.authenticated)
                 sock.close()
                 continue
             nursery.start_soon(self._connection, sock, addr, hs)
@@ -218,8 +232,8 @@ class Server:
             io.close()
             self.admission.end_handshake(hs)  # (nothing, once it authenticated)
 
-    async def _throttle(self, host: str) -> None:
-        await trio.sleep(self.failed_proofs.failed(host))
+    async def _throttle(self, host: str, key: bytes | None) -> None:
+        await trio.sleep(self.failed_proofs.failed(host, key))
 
     async def _serve(self, sock: SockIO, peer: str, host: str, hs: Handshake) -> None:
         cfg = self.config
@@ -249,21 +263,41 @@ class Server:
         except (PeerClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("peer %s left during the handshake: %s", peer, exc)
             return
-        if not self.admission.authenticate(hs):
-            log.warning("refused %s: %d authenticated connections open, the cap", peer,
-                        self.admission.authenticated)
-            await refuse(sock, Code.PEER_REFUSED,
-                         f"the target serves at most {cfg.max_connections} connections")
+        grant = session.grant
+        try:
+            conn = self.admission.authenticate(hs, grant.name, grant.admin, grant.max_connections)
+        except Full as exc:
+            self._log_full(peer, str(exc))
+            await refuse(sock, Code.PEER_REFUSED, str(exc))
             if role == Role.CONTROL:
                 self.sessions.end(session)
             return
+        self._log_pushed_out()
         try:
-            await self._serve_authenticated(sock, reader, peer, role, session)
+            with conn.scope:
+                await self._serve_authenticated(sock, reader, peer, role, session, conn)
         finally:
-            self.admission.end_authenticated()
+            self.admission.end_authenticated(conn)
+        if conn.dropped:
+            log.debug("peer %s: connection of token %r closed: it held no pool and another needed "
+                      "its room", peer, grant.name)
+
+    def _log_full(self, peer: str, why: str) -> None:
+        # A flood meets its cap many times a second: one line per interval says it.
+        if time.monotonic() - self._full_logged > 10:
+            self._full_logged = time.monotonic()
+            log.warning("refused %s (and any more within 10 s): %s", peer, why)
+
+    def _log_pushed_out(self) -> None:
+        when, count = self._pushed_out_logged
+        if self.admission.pushed_out > count and time.monotonic() - when > 10:
+            log.warning("connections over a cap: %d connections holding no pool closed to make room "
+                        "since the last report, the latest of token %r", self.admission.pushed_out - count,
+                        self.admission.last_pushed_out)
+            self._pushed_out_logged = (time.monotonic(), self.admission.pushed_out)
 
     async def _serve_authenticated(self, sock: SockIO, reader: FrameReader, peer: str, role: Role,
-                                   session: TargetSession) -> None:
+                                   session: TargetSession, conn: Connection) -> None:
         cfg = self.config
         reader.resize(STAGING_SIZE)
         apm = cfg.method == "apm"
@@ -276,8 +310,11 @@ class Server:
         loop = FrameLoop(
             sock, reader, peer, session, role, self.control,
             apm=apm, idle_timeout=cfg.idle_timeout, frame_timeout=cfg.frame_timeout, native=native,
+            empty_timeout=cfg.empty_session_timeout,
         )
         if role == Role.CONTROL:
+            # Its lanes go with it, so a lane never needs pushing out on its own.
+            conn.idle_and_empty = loop.idle_and_empty
             log.info("peer %s: session %s opened", peer, session.id.hex()[:8])
             try:
                 await loop.run()

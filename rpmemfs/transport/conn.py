@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import trio
 
+from rpmemfs.printable import printable
 from rpmemfs.transport import auth, protection, tokens
 from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
@@ -72,7 +73,8 @@ _HANDSHAKE = _Step("in the handshake", "connection lost in the handshake", None)
 
 
 def _error_reason(payload: bytes, code: int) -> str:
-    text = payload.decode("utf-8", "replace") or "no reason given"
+    # The target's words, repeated in this side's errors, logs and status: escaped.
+    text = printable(payload.decode("utf-8", "replace")) or "no reason given"
     try:
         return f"{text} ({Code(code).name.lower()})"
     except ValueError:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 import trio
 
 from rpmemfs.native import ffi, lib
+from rpmemfs.printable import printable
 from rpmemfs.transport import protection, tokens
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.transport.base import (
@@ -326,7 +327,7 @@ class TcpLane:
         if not isinstance(reply, dict):
             raise TransportError(self.peer, "target sent a control reply that is not an object")
         if not reply.get("ok"):
-            raise TransportError(self.peer, str(reply.get("error", "request refused")))
+            raise TransportError(self.peer, printable(str(reply.get("error", "request refused"))))
         return reply
 
     async def aclose(self) -> None:

@@ -2,7 +2,9 @@
 
 A token is a shared secret; whoever holds it may talk to the targets that accept it. So a
 token file readable by anyone but its owner is refused (as OpenSSH refuses such a private
-key), and so is a token too short to resist guessing (under MIN_TOKEN_BITS).
+key), and so is a token too short to resist guessing (under MIN_TOKEN_BITS). The same check
+(read_owned) guards every file whose content decides who gets in: a target's authz file, the
+private key of a metrics server.
 
 A target started without ``--token-file`` generates its own token once, in its state
 directory (``<state dir>/token``, mode 0600), and keeps it across restarts. Mounts and
@@ -101,27 +103,32 @@ def _private(st: os.stat_result, what: str) -> None:
         raise TokenError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
 
 
-def _read_private(path: str) -> bytes:
-    """What ``path`` holds; TokenError unless it is a private regular file of this user."""
+def read_owned(path: str, what: str, limit: int, *, secret: bool = True) -> bytes:
+    """What ``path`` holds (at most ``limit`` bytes); TokenError unless it is a regular file of
+    this user (or root) that neither group nor others may change, nor read when it holds a
+    ``secret`` (a token, a private key). The one check for every file whose content decides
+    who gets in: whoever may change such a file may let themselves in."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
-        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from exc
+        raise TokenError(f"cannot read {what} {path}: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TokenError(f"token file {path} is not a regular file")
-        _private(st, f"token file {path}")
-        if st.st_mode & 0o077:
-            raise TokenError(
-                f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others may "
-                f"read or change it; make it private (chmod 600 {path})"
-            )
-        if st.st_size > MAX_TOKEN_FILE:
-            raise TokenError(f"token file {path} is larger than {MAX_TOKEN_FILE} bytes")
-        return os.read(fd, MAX_TOKEN_FILE)
+            raise TokenError(f"{what} {path} is not a regular file")
+        _private(st, f"{what} {path}")
+        mode = stat.S_IMODE(st.st_mode)
+        if secret and mode & 0o077:
+            raise TokenError(f"{what} {path} has mode {mode:04o}: group or others may read or "
+                             f"change it; make it private (chmod 600 {path})")
+        if mode & 0o022:
+            raise TokenError(f"{what} {path} has mode {mode:04o}: group or others may change it; "
+                             f"make it writable by its owner alone (chmod go-w {path})")
+        if st.st_size > limit:
+            raise TokenError(f"{what} {path} is larger than {limit} bytes")
+        return os.read(fd, limit)
     except OSError as exc:
-        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from exc
+        raise TokenError(f"cannot read {what} {path}: {exc.strerror}") from exc
     finally:
         os.close(fd)
 
@@ -130,7 +137,7 @@ def read_tokens(path: str) -> list[bytes]:
     """Every token in ``path``, one a line (surrounding whitespace stripped, blank lines and
     repeats skipped), as a target accepts them; TokenError when the file is not a private
     regular file, holds none, or one of them is too short."""
-    lines = _read_private(path).splitlines()
+    lines = read_owned(path, "token file", MAX_TOKEN_FILE).splitlines()
     found: list[bytes] = []
     for number, line in enumerate(lines, 1):
         token = line.strip()

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import trio
 
+from rpmemfs.printable import printable
 from rpmemfs.transport import rdma
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.base import (
@@ -591,7 +592,7 @@ class VerbsLane:
         if not isinstance(reply, dict):
             raise TransportError(self.peer, "the target sent a control reply that is not an object")
         if not reply.get("ok"):
-            raise TransportError(self.peer, str(reply.get("error", "request refused")))
+            raise TransportError(self.peer, printable(str(reply.get("error", "request refused"))))
         return reply
 
     async def aclose(self) -> None:

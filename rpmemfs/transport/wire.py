@@ -70,6 +70,7 @@ FLUSH_RANGE_SIZE = FLUSH_RANGE.size
 MAX_FLUSH_RANGES = (MAX_SEND - FLUSH_COUNT_SIZE) // FLUSH_RANGE_SIZE
 
 
+@enum.unique
 class Op(enum.IntEnum):
     WRITE = 0x01
     READ = 0x02
@@ -83,6 +84,7 @@ class Op(enum.IntEnum):
     OK = 0x12
 
 
+@enum.unique
 class Cipher(enum.IntEnum):
     """How a connection's records are sealed; the target's choice travels in CHALLENGE's imm."""
 
@@ -91,11 +93,13 @@ class Cipher(enum.IntEnum):
     CHACHA20_POLY1305 = 2  # where either end's CPU has no AES instructions
 
 
+@enum.unique
 class Role(enum.IntEnum):
     CONTROL = 1
     LANE = 2
 
 
+@enum.unique
 class SendKind(enum.IntEnum):
     """What a SEND carries; it travels in the frame's imm field."""
 
@@ -114,10 +118,14 @@ HELLO_F_NO_AES = 0x02  # the initiator's CPU lacks AES instructions: prefer ChaC
 HELLO_KNOWN_FLAGS = HELLO_F_PLAIN | HELLO_F_NO_AES
 
 
+@enum.unique
 class Code(enum.IntEnum):
-    """Error codes carried in an ERROR frame's imm field."""
+    """Error codes carried in an ERROR frame's imm field. Each value once (``enum.unique``:
+    two names of one value would make the second an alias, missing from C and from
+    ``Code(value).name``). VERSION is 1 in every version of the wire: it answers a HELLO
+    from another version, so it must read the same to all of them."""
 
-    VERSION = 2
+    VERSION = 1
     BAD_HELLO = 2
     PEER_REFUSED = 3
     AUTH_FAILED = 4

@@ -8,13 +8,16 @@ initiator this way also checks that the product seals and opens records as docs/
 from __future__ import annotations
 
 import hashlib
+import socket
 import struct
 from collections.abc import Callable
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from rpmemfs.transport import auth
+from rpmemfs.transport.tokens import key_id
 from rpmemfs.transport.wire import (
+    HEADER_SIZE,
     HELLO_F_PLAIN,
     KEY_SIZE,
     PROOF_SIZE,
@@ -27,6 +30,7 @@ from rpmemfs.transport.wire import (
     Hello,
     Op,
     Role,
+    unpack_header,
 )
 
 _LEN = struct.Struct("<I")
@@ -103,6 +107,32 @@ def challenge_for(token: bytes, raw_hello: bytes, cipher: Cipher = Cipher.AES_25
     records = None if cipher == Cipher.NONE else Records(cipher, keys.target_to_initiator,
                                                           keys.initiator_to_target)
     return header + mine.public + auth.target_proof(keys, transcript), records
+
+
+def read_frame(sock: socket.socket, records: Records | None = None) -> tuple[Frame, bytes]:
+    """One frame from a blocking socket, opened from records when ``records`` is given (bytes
+    after it are not kept: for a peer that reads one answer). EOFError if it closes first."""
+    got = b""
+    while len(got) < HEADER_SIZE or len(got) < HEADER_SIZE + unpack_header(got).length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise EOFError(f"closed after {len(got)} bytes of a frame")
+        got += records.feed(chunk) if records is not None else chunk
+    frame = unpack_header(got)
+    return frame, got[HEADER_SIZE : HEADER_SIZE + frame.length]
+
+
+def authenticate(sock: socket.socket, token: bytes) -> tuple[Frame, bytes]:
+    """A control connection's handshake by hand on a connected blocking socket: the target's
+    answer, its OK (the payload: session id and info) or its ERROR (the payload: why)."""
+    mine, raw = hello(Role.CONTROL, key_id(token))
+    sock.sendall(raw)
+    frame, payload = read_frame(sock)
+    if frame.op != Op.CHALLENGE:
+        return frame, payload
+    answer, records, _ = answer_challenge(token, mine, raw, frame, payload)
+    sock.sendall(answer)
+    return read_frame(sock, records)
 
 
 def fingerprint(data: bytes) -> str:

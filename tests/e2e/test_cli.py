@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -371,6 +372,47 @@ def test_status_json(make_pool: MakePool, mount_pool: MountPool) -> None:
     assert str(pool) in text.stdout or os.path.realpath(pool) in text.stdout
 
 
+def test_a_status_that_is_only_an_error_is_not_healthy(make_pool: MakePool, mount_pool: MountPool
+                                                      ) -> None:
+    """A daemon that answers status with an error alone (a bug behind its handler, a daemon of
+    another version) tells nothing of the pool's health: unknown (3), the error said, and
+    --json never says healthy. The mount's control socket is answered by a stand-in here."""
+    from rpmemfs.mountd import control
+
+    m = mount_pool(make_pool("16M"))
+    real = control.socket_path(str(m.path))
+    aside = real + ".aside"
+    os.rename(real, aside)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as fake:
+            fake.bind(real)
+            fake.listen()
+            fake.settimeout(60)
+
+            def answer() -> None:
+                for _ in range(2):
+                    try:
+                        conn, _ = fake.accept()
+                    except OSError:
+                        return
+                    with conn:
+                        conn.recv(4096)
+                        conn.sendall(b'{"error": "internal error in status: KeyError(\'x\')"}\n')
+
+            threading.Thread(target=answer, daemon=True).start()
+            js = cli("status", m.path, "--json")
+            text = cli("status", m.path)
+    finally:
+        os.unlink(real)
+        os.rename(aside, real)
+    assert js.returncode == 3, describe(js)
+    assert json.loads(js.stdout)["health"] == "unknown", describe(js)
+    assert text.returncode == 3, describe(text)
+    assert_clean_error(text, r"answered status with an error: internal error in status: KeyError",
+                       one_line=True)
+    assert "healthy" not in text.stdout + text.stderr, describe(text)
+
+
 def test_status_msync_mode(make_pool: MakePool, mount_pool: MountPool) -> None:
     m = mount_pool(make_pool("16M"), options="pmem=msync")
     assert status(m.path)["pmem_mode"] == "msync"
@@ -600,6 +642,12 @@ def test_a_usage_error_is_one_line(work_dir: Path, argv: list[str]) -> None:
         (["evict", "127.0.0.1:7420", "app", "--timeout", "0"], r"evict: argument --timeout: '0'"),
         (["status", "/", "--timeout", "-1"], r"status: argument --timeout: '-1'"),
         (["umount", "/", "--timeout", "never"], r"umount: argument --timeout: 'never'"),
+        (["mkfs", "p.img", "--size", "junk"], r"mkfs: argument --size: bad size 'junk'"),
+        (["grow", "p.img", "--size", "12Q"], r"grow: argument --size: bad size '12Q'"),
+        (["verify", "/nonexistent.pool", "--chunk", "3"],
+         r"verify: argument --chunk: '3' is not a multiple of 4K"),
+        (["verify", "/nonexistent.pool", "--chunk", "1G"], r"verify: argument --chunk: '1G'.*at most 64M"),
+        (["verify", "/nonexistent.pool", "--chunk", "x"], r"verify: argument --chunk: bad size 'x'"),
     ],
 )
 def test_a_value_that_cannot_be_right_is_a_usage_error(argv: list[str], pattern: str) -> None:
@@ -614,7 +662,6 @@ def test_a_value_that_cannot_be_right_is_a_usage_error(argv: list[str], pattern:
 @pytest.mark.parametrize(
     "argv,pattern",
     [
-        (["verify", "/nonexistent.pool", "--chunk", "3"], r"--chunk"),
         (["verify", "/nonexistent.pool"], r"neither a pool file nor a mount point"),
         (["check", "/nonexistent.pool"], r"does not exist"),
         (["mkfs", "/nonexistent/dir/p.img", "--size", "8M"], None),

@@ -21,6 +21,7 @@ import pytest
 from conftest import MountPool
 from helpers import (
     assert_check_clean,
+    assert_clean_error,
     cli,
     describe,
     mkfs_replicated,
@@ -31,7 +32,7 @@ from helpers import (
     write_fsync,
 )
 
-from rpmemfs.pool.layout import Header, show_epoch
+from rpmemfs.pool.layout import Header, next_epoch, show_epoch
 from rpmemfs.tools.processes import TargetProcess
 
 OPTS = "pmem=force,replica_timeout=2"
@@ -231,6 +232,13 @@ def test_a_running_primary_a_promote_fenced_says_so_and_names_a_log_that_says_wh
     finally:
         res = cli("umount", mnt)
     assert res.returncode == 1, describe(res)
+    # What is true of it now: a failover fenced it, naming the new primary; its next mount is
+    # refused (nothing is "compared in full"), and the runbook says how it comes back.
+    assert "in full" not in res.stderr, describe(res)
+    assert re.search(rf"fenced by a failover.*{re.escape(str(work_dir / 'new.pool'))}.*"
+                     r"next mount .* is refused.*docs/failover\.md", res.stderr), describe(res)
+    again = cli("mount", pool, mnt, "-o", OPTS)
+    assert_clean_error(again, r"taken over by another primary")
     named = re.search(r"(/[^\s,;()]+\.log)\b", res.stderr)
     assert named, res.stderr
     log = Path(named.group(1))
@@ -270,6 +278,51 @@ def test_promote_with_a_replica_down_fences_it_when_it_returns(
         assert pool_content(replica_file(t)) == pool_content(new), t.address
 
 
+def test_no_claim_moves_a_target_s_epoch_back_so_the_fenced_primary_stays_fenced(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """A client holding a token for the pool claims it as a mount would (``prev`` the owner
+    record) at an epoch that does not rise: to 0, back to the fenced primary's own epoch, or
+    beside the record in its generation. Every target refuses, takeovers included; the record
+    stays, and the old primary stays fenced, running or mounted again."""
+    from test_target import RawConn
+
+    pool = work_dir / "app.pool"
+    mkfs_replicated(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "before", b"b" * 9000)
+    fenced = Header.decode(pool.read_bytes()[:4096]).epoch  # the running primary's epoch
+    assert show_epoch(fenced) == status_json(a.path)["epoch"]
+    new = work_dir / "new.pool"
+    took = str(_promote(new, targets[0])["epoch"])
+    _fsync_fails(a.path / "late")
+    for t in targets:
+        raw = RawConn(t.address)
+        try:
+            raw.handshake()
+            record = raw.control({"op": "probe", "name": "app"})["owner"]["epoch"]
+            assert show_epoch(record) == took
+            beside = (record & ~0xFFFFFFFF) | ((record + 1) & 0xFFFFFFFF)  # same generation
+            for cur, takeover in ((0, False), (fenced, False), (record - 1, False), (beside, False),
+                                  (fenced, True), (record, True)):
+                reply = raw.control({"op": "open", "name": "app", "epoch": [record, cur],
+                                     "holder": {"host": "rogue"}, "takeover": takeover})
+                assert not reply["ok"] and reply["code"] == "epoch", (t.address, show_epoch(cur), reply)
+            owner = raw.control({"op": "probe", "name": "app"})["owner"]
+            assert owner["epoch"] == record and owner["holder"]["command"] == "promote", owner
+        finally:
+            raw.close()
+    # The fence holds: the old primary's writes still land nowhere, and its mount is refused.
+    _fsync_fails(a.path / "later")
+    a.kill9()
+    err = _refused(mount_pool, pool, "old")
+    assert "taken over" in err and took in err, err
+    # A mount's normal claim still rises past the promote's takeover.
+    q = mount_pool(new, name="q", options=OPTS)
+    write_fsync(q.path / "q", b"q" * 5000)
+    assert [r["state"] for r in status_json(q.path)["replicas"]] == ["in-sync", "in-sync"]
+    q.unmount()
+
+
 def test_promote_onto_an_older_copy_sends_only_what_differs(
         work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
     pool = work_dir / "app.pool"
@@ -290,6 +343,25 @@ def test_promote_onto_an_older_copy_sends_only_what_differs(
     assert (m.path / "small").read_bytes() == b"s" * 4000
     assert cli("verify", m.path).returncode == 0
     m.unmount()
+
+
+def test_promote_onto_a_file_that_is_no_copy_of_the_pool_is_refused_before_it_fences(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """A promote that cannot write its destination (a file there that is no older copy of
+    this pool: a typo, a copy made before a grow) stops before it claims anything: the
+    primary running meanwhile is not fenced for nothing, and the file is left as it was."""
+    pool = work_dir / "app.pool"
+    mkfs_replicated(pool, targets)
+    a = mount_pool(pool, name="a", options=OPTS)
+    write_fsync(a.path / "before", b"b" * 5000)
+    other = work_dir / "other.pool"
+    other.write_bytes(b"precious data")
+    res = cli("promote", other, "--from", f"{targets[0].address}/app")
+    assert_clean_error(res, r"other\.pool exists and is not an older copy of this pool.*"
+                            r"nothing was claimed.*--force", one_line=True)
+    assert other.read_bytes() == b"precious data"
+    write_fsync(a.path / "after", b"a" * 5000)  # not fenced: its fsync reaches both replicas
+    assert status_json(a.path)["fenced"] is None
 
 
 def test_a_session_that_does_not_claim_a_claimed_pool_can_read_it_but_never_write_it(
@@ -436,6 +508,49 @@ def test_a_target_says_who_owns_its_pools_and_an_administrator_can_evict_a_write
     assert cli("evict", t.address, "nope").returncode == 1
     q.unmount()
     assert cli("verify", pool).returncode == 0
+
+
+def test_control_characters_in_a_claim_s_holder_forge_no_log_line_and_reach_no_terminal(
+        work_dir: Path, targets: list[TargetProcess]) -> None:
+    """A claimant names itself with newlines and terminal escapes: the target's log keeps one
+    line per event, and `rpmemfs pools` (table and --json) shows them escaped."""
+    from test_target import RawConn
+
+    t = targets[0]
+    forged = 'level=error logger=rpmemfs.forged msg="forged"'
+    holder = {"host": f"node\n{forged}\x1b[31m", "pid": 7, "pool": "/p\r\x1b]0;owned\x07\x9b2J",
+              "mountpoint": "/m\x7f\u2028", "command": "mount\x00"}
+    first, second = next_epoch(0, 1), next_epoch(next_epoch(0, 1), 2)
+    conns = []
+    try:
+        for epoch in ([0, first], [first, second], [0, 0]):  # the last one is refused, naming it
+            raw = RawConn(t.address)
+            conns.append(raw)
+            raw.handshake()
+            if epoch[0] == 0 and epoch[1]:
+                assert raw.control({"op": "create", "name": "evil", "size": 1 << 20})["ok"]
+            reply = raw.control({"op": "open", "name": "evil", "epoch": epoch, "holder": holder})
+            assert reply["ok"] == bool(epoch[1]), reply
+            assert str(reply.get("error", "")).isprintable(), reply  # what the refused one is told
+    finally:
+        for raw in conns:
+            raw.close()
+    log = t.log_text()
+    assert not [c for c in log if not c.isprintable() and c != "\n"], log
+    mentions = [ln for ln in log.splitlines() if "forged" in ln]
+    assert mentions and all(ln.startswith("ts=") for ln in mentions), log
+    assert [ln for ln in mentions if "claimed at epoch" in ln], log
+    assert [ln for ln in mentions if "refused" in ln], log
+    table = cli("pools", t.address)
+    assert table.returncode == 0, describe(table)
+    assert all(ln.isprintable() for ln in table.stdout.splitlines()), table.stdout
+    row = next(ln for ln in table.stdout.splitlines() if ln.startswith("evil "))
+    assert "node\\nlevel=error" in row and "\\x1b[31m" in row, row
+    listed = cli("pools", t.address, "--json")
+    assert listed.returncode == 0, describe(listed)
+    shown = json.loads(listed.stdout)["evil"]["owner"]
+    assert all(str(v).isprintable() for v in shown["holder"].values()), shown
+    assert shown["described"].isprintable(), shown
 
 
 def test_promote_killed_at_random_moments_leaves_every_replica_consistent(

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import CLI, REPO, cli, describe, status_json, write_fsync
+from helpers import CLI, REPO, cli, describe, status_json, wait_until, write_fsync
 
 from rpmemfs.mountd import control
 from rpmemfs.target import admin
@@ -270,6 +270,116 @@ def test_a_wrong_authorization_file_is_refused_at_start(scratch: Path, line: str
     (scratch / "pools").mkdir()
     out = _start_fails(scratch / "pools", token_file=scratch / "admin.token", extra=["--authz", str(rules)])
     assert f"{rules}:2" in out and why in out, out
+
+
+def test_an_authz_file_others_may_change_is_refused_at_start_and_on_reload(scratch: Path) -> None:
+    """Issue 30, item 5: with the authz file at mode 0666, a local user made alice an admin on
+    the next SIGHUP; an emptied file was taken on reload, locking every tenant out. Now such a
+    file is refused at start, and a reload of it changes nothing but a logged error."""
+    scratch.chmod(0o711)  # nobody may reach the file; its own mode decides the rest
+    admin_token, alice = _token(scratch / "admin.token"), _token(scratch / "alice.token")
+    rules = scratch / "authz"
+    rules.write_text(f"alice pools {scratch / 'alice.token'} alice-*\n")
+    rules.chmod(0o666)
+    (scratch / "pools").mkdir()
+    why = _start_fails(scratch / "pools", token_file=scratch / "admin.token", extra=["--authz", str(rules)])
+    assert f"authorization file {rules} has mode 0666: group or others may change it" in why, why
+    rules.chmod(0o644)  # others may read it: it names token files, it holds none
+    t = _target(scratch / "pools", token_file=scratch / "admin.token", extra=["--authz", str(rules)])
+
+    async def alice_is_a_tenant() -> None:
+        async with await connect(t.address, alice, lanes=0) as s:
+            await s.close_pool(await s.create_pool(f"alice-{uuid.uuid4().hex[:8]}", POOL))
+            with pytest.raises(TransportError, match="token 'alice' may not use pool 'bob-db'"):
+                await s.control({"op": "remove", "name": "bob-db"})
+            with pytest.raises(TransportError, match="evict needs an admin token"):
+                await s.control({"op": "evict", "name": "bob-db"})
+
+    def reload(times: int) -> str:
+        assert t.proc is not None
+        t.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: t.log_text().count("tokens not reread") == times), t.log_text()
+        return t.log_text().rsplit("tokens not reread", 1)[1].splitlines()[0]
+
+    try:
+        async def bob() -> None:
+            async with await connect(t.address, admin_token, lanes=0) as s:
+                await s.close_pool(await s.create_pool("bob-db", POOL))
+
+        trio.run(bob)
+        trio.run(alice_is_a_tenant)
+        # Loosened by mistake while the target runs; a local user makes alice an admin.
+        rules.chmod(0o666)
+        got = run_as_nobody(lambda: Path(rules).write_text(f"alice admin {scratch / 'alice.token'}\n"))
+        assert isinstance(got, int), got
+        line = reload(1)
+        assert f"authorization file {rules} has mode 0666: group or others may change it" in line, line
+        trio.run(alice_is_a_tenant)
+        # An emptied file (a config tool's truncated write, say) would take every tenant's access.
+        rules.write_text("# nothing yet\n")
+        rules.chmod(0o644)
+        assert "grants nothing" in reload(2)
+        trio.run(alice_is_a_tenant)
+        assert (t.pool_dir / "bob-db").exists()
+    finally:
+        t.close()
+
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def small_pool_dir(scratch: Path) -> Iterator[Path]:
+    """A pool directory on a file system of its own, 16 MiB: one tenant could fill it."""
+    d = scratch / "pools"
+    d.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M,mode=0700", "tmpfs", str(d)], check=True)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_tenant_cannot_fill_the_target_past_its_quota(scratch: Path, small_pool_dir: Path) -> None:
+    """Issue 30, item 8: alice filled a target and the admin's next create failed with
+    no-space. With `quota=8M pools=3` on her authz line, what would take her pools past it is
+    refused with code quota, and the rest stays the admin's (and other tenants')."""
+    admin_token, alice = _token(scratch / "admin.token"), _token(scratch / "alice.token")
+    rules = scratch / "authz"
+    rules.write_text(f"alice pools {scratch / 'alice.token'} alice-* shared quota=8M pools=3\n")
+    t = _target(small_pool_dir, token_file=scratch / "admin.token", extra=["--authz", str(rules)])
+    try:
+        async def main() -> None:
+            async with await connect(t.address, alice, lanes=0) as s:
+                with pytest.raises(TransportError, match=r"token 'alice' may hold 8\.0 MiB on this target "
+                                   r"and its pools hold 0 B: pool 'alice-big' at 12\.0 MiB would take "
+                                   r"them to 12\.0 MiB \(its quota"):
+                    await s.control({"op": "create", "name": "alice-big", "size": 12 * MIB})
+                for name in ("alice-1", "alice-2"):
+                    await s.close_pool(await s.create_pool(name, 4 * MIB))
+                with pytest.raises(TransportError, match=r"its pools hold 8\.0 MiB: pool 'shared' at "
+                                   r"4\.0 KiB would take them to 8\.0 MiB"):
+                    await s.control({"op": "create", "name": "shared", "size": 4096})
+                with pytest.raises(TransportError, match=r"pool 'alice-1' at 6\.0 MiB would take them "
+                                   r"to 10\.0 MiB"):
+                    await s.control({"op": "grow", "name": "alice-1", "size": 6 * MIB})
+                await s.control({"op": "remove", "name": "alice-2"})
+                await s.close_pool(await s.create_pool("alice-2", 2 * MIB))
+                await s.close_pool(await s.create_pool("shared", 2 * MIB))
+                with pytest.raises(TransportError, match="may have at most 3 pools on this target and has 3"):
+                    await s.control({"op": "create", "name": "alice-3", "size": 4096})
+            # What she could not take is still there for the admin.
+            async with await connect(t.address, admin_token, lanes=0) as s:
+                await s.close_pool(await s.create_pool("bob-db", 7 * MIB))
+
+        trio.run(main)
+        assert not (small_pool_dir / "alice-big").exists() and not (small_pool_dir / "alice-3").exists()
+        assert (small_pool_dir / "alice-1").stat().st_size == 4 * MIB
+        wanted = "quota of token alice: 8.0 MiB of 8.0 MiB, 3 of 3 pools"
+        for token in ("alice.token", "admin.token"):
+            res = cli("pools", t.address, "--token-file", scratch / token)
+            assert res.returncode == 0 and res.stdout.rstrip().endswith(wanted), describe(res)
+        assert "quota" in t.log_text()
+    finally:
+        t.close()
 
 
 # --------------------------------------------------------------------------- pool files

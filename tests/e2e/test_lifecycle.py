@@ -346,6 +346,28 @@ def test_the_next_mount_clears_a_dead_mount_of_its_pool_and_status_names_it(
     assert_check_clean(pool)
 
 
+def test_commands_for_a_mount_name_a_dead_one_and_what_clears_it(
+        make_pool: MakePool, mount_pool: MountPool) -> None:
+    """flush, verify, sync and replica add/remove on a mount whose daemon was killed say what
+    status says (a dead mount of the pool, and what takes it away), not "no daemon answers"
+    nor "not a mount point"."""
+    pool = make_pool("16M")
+    m = mount_pool(pool)
+    m.kill_daemon()
+    assert is_mounted(m.path)
+    point = re.escape(os.path.realpath(m.path))
+    dead = rf"{point} is a dead mount of pool {re.escape(str(pool))} \(its daemon has died\)"
+    for argv in (["flush", m.path], ["verify", m.path], ["sync", m.path],
+                 ["replica", "add", m.path, "127.0.0.1:7/app"],
+                 ["replica", "remove", m.path, "127.0.0.1:7/app"]):
+        res = cli(*argv)
+        assert_clean_error(res, rf"{dead}.*rpmemfs umount {point}", one_line=True)
+        assert res.returncode == 1, describe(res)
+    res = cli("umount", m.path)
+    assert_clean_error(res, r"had died.*unmounted now", one_line=True)
+    assert not is_mounted(m.path)
+
+
 def test_the_umount_helper_waits_for_the_daemon_and_leaves_lazy_unmounts_to_umount(
         make_pool: MakePool, mount_pool: MountPool) -> None:
     env = dict(os.environ, RPMEMFS_BIN=RPMEMFS_BIN)
@@ -523,6 +545,7 @@ def test_sigterm_on_a_busy_mount_serves_open_files_until_closed_then_closes_clea
     # The last file closed: the daemon runs its last durability point and exits.
     assert m.daemon is not None and m.daemon.wait(30) == 0, m.output()
     assert "still open there are served until they are closed (SIGTERM again stops now)" in m.output()
+    assert "is detached; 1 file or directory still open there" in m.output(), m.output()
     assert_check_clean(pool)
     assert _syncmap_reliable(pool)
     m.start()

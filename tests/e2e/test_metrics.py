@@ -21,7 +21,7 @@ from conftest import MountPool
 from helpers import Mount, cli, wait_until, write_fsync
 from prometheus_client.parser import text_string_to_metric_families
 
-from rpmemfs.tools.processes import TargetProcess
+from rpmemfs.tools.processes import SpawnError, TargetProcess
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring"
 
@@ -181,3 +181,180 @@ def test_a_real_prometheus_fires_the_replica_alert_when_a_target_dies(
         proc.wait(timeout=30)
         log.close()
 
+
+
+# ------------------------------------------------------------ who may read them (issue 30, item 6)
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) of sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            host, _, hex_port = fields[1].rpartition(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(host)
+    return found
+
+
+LOOPBACK_HEX = "0100007F"  # 127.0.0.1, as /proc/net/tcp writes it
+
+
+def test_metrics_given_a_port_alone_are_served_on_loopback_only(work_dir: Path,
+                                                                mount_pool: MountPool) -> None:
+    """Metrics name every tenant's pools; a port given alone (`--metrics 9742`, `metrics=9743`)
+    serves them on 127.0.0.1, and the daemons say who may read them."""
+    ports = [_free_port() for _ in range(2)]
+    (work_dir / "t").mkdir()
+    t = TargetProcess(work_dir / "t", pmem="force", extra=["--metrics", str(ports[0])])
+    t.start()
+    try:
+        pool = work_dir / "app.pool"
+        res = cli("mkfs", pool, "--size", "64M", "--replica", f"{t.address}/app")
+        assert res.returncode == 0, res.stderr
+        m = mount_pool(pool, options=f"pmem=force,log_level=info,metrics={ports[1]}")
+        for port in ports:
+            assert _listening(port) == {LOOPBACK_HEX}, (port, _listening(port))
+        assert _value(_scrape(ports[0]), "rpmemfs_target_pool_open", pool="app") == 1
+        assert _value(_scrape(ports[1]), "rpmemfs_up") == 1
+        said = (f"metrics at http://127.0.0.1:{ports[0]}/metrics: readable by every local user "
+                "(loopback only)")
+        assert said in t.log_text(), t.log_text()
+        assert f"metrics at http://127.0.0.1:{ports[1]}/metrics: readable by every local user" in m.output()
+    finally:
+        t.close()
+
+
+def _pki(d: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate it signed, and a
+    client certificate of another CA; keys mode 0600."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    out: dict[str, Path] = {}
+
+    def write(name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+        out[f"{name}.crt"] = d / f"{name}.crt"
+        out[f"{name}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[f"{name}.key"] = d / f"{name}.key"
+        out[f"{name}.key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                        serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+        out[f"{name}.key"].chmod(0o600)
+
+    def cert(name: str, key: ec.EllipticCurvePrivateKey,
+             issuer: tuple[str, ec.EllipticCurvePrivateKey] | None, ca: bool = False,
+             ip: str | None = None) -> x509.Certificate:
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        by = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer[0])]) if issuer else subject
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(by)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ip:
+            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+                                critical=False)
+        return b.sign(issuer[1] if issuer else key, hashes.SHA256())
+
+    for ca_name, others in (("ca", ("server", "client")), ("other-ca", ("stranger",))):
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        write(ca_name, ca_key, cert(ca_name, ca_key, None, ca=True))
+        for name in others:
+            key = ec.generate_private_key(ec.SECP256R1())
+            write(name, key, cert(name, key, (ca_name, ca_key), ip="127.0.0.1" if name == "server" else None))
+    return out
+
+
+def _scrape_tls(port: int, pki: dict[str, Path], client: str | None = "client") -> str:
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(pki["ca.crt"]))
+    if client:
+        ctx.load_cert_chain(pki[f"{client}.crt"], pki[f"{client}.key"])
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=10) as r:
+        return str(r.read().decode())
+
+
+def test_metrics_over_tls_are_read_only_with_a_client_certificate(work_dir: Path,
+                                                                  mount_pool: MountPool) -> None:
+    """Where metrics must reach further than loopback, TLS with a client CA decides who reads
+    them: without a certificate of that CA, nothing; a connection that never says anything
+    holds up no scrape; a real Prometheus with its certificate scrapes both daemons."""
+    import http.client
+
+    pki = _pki(work_dir)
+    tls = ["--metrics-cert", str(pki["server.crt"]), "--metrics-key", str(pki["server.key"]),
+           "--metrics-client-ca", str(pki["ca.crt"])]
+    ports = [_free_port() for _ in range(2)]
+    (work_dir / "t").mkdir()
+    # The key is a secret: one others may read is refused, as a token file is.
+    pki["server.key"].chmod(0o644)
+    t = TargetProcess(work_dir / "t", pmem="force", extra=["--metrics", f"127.0.0.1:{ports[0]}", *tls])
+    with pytest.raises(SpawnError, match=f"TLS key file {pki['server.key']} has mode 0644"):
+        t.start()
+    t.close()
+    pki["server.key"].chmod(0o600)
+    t = TargetProcess(work_dir / "t", pmem="force", extra=["--metrics", f"127.0.0.1:{ports[0]}", *tls])
+    t.start()
+    proc = None
+    try:
+        pool = work_dir / "app.pool"
+        res = cli("mkfs", pool, "--size", "64M", "--replica", f"{t.address}/app")
+        assert res.returncode == 0, res.stderr
+        mount_pool(pool, options=f"pmem=force,metrics={ports[1]},metrics_cert={pki['server.crt']},"
+                   f"metrics_key={pki['server.key']},metrics_client_ca={pki['ca.crt']}")
+        assert (f"metrics at https://127.0.0.1:{ports[0]}/metrics: TLS, read only by scrapers with a "
+                f"certificate from the CA in {pki['ca.crt']}") in t.log_text(), t.log_text()
+        for port in ports:
+            with pytest.raises((OSError, http.client.HTTPException)):
+                _scrape(port)  # plain HTTP
+            with pytest.raises(OSError):
+                _scrape_tls(port, pki, None)
+            with pytest.raises(OSError):
+                _scrape_tls(port, pki, "stranger")
+            # Someone who connects and says nothing: the others are served meanwhile.
+            with socket.create_connection(("127.0.0.1", port)):
+                text = _scrape_tls(port, pki)
+            assert _value(text, "rpmemfs_up") == 1
+        assert _value(_scrape_tls(ports[0], pki), "rpmemfs_target_pool_open", pool="app") == 1
+        assert "metrics: request from 127.0.0.1 refused" in t.log_text()  # one line each
+        assert "Traceback" not in t.log_text()
+
+        prometheus = shutil.which("prometheus")
+        assert prometheus, "prometheus is missing: scripts/install.sh --test installs Debian's prometheus"
+        (work_dir / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n"
+            "scrape_configs:\n  - job_name: rpmemfs\n    scheme: https\n"
+            f"    tls_config:\n      ca_file: {pki['ca.crt']}\n      cert_file: {pki['client.crt']}\n"
+            f"      key_file: {pki['client.key']}\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{ports[0]}', '127.0.0.1:{ports[1]}']\n")
+        web = _free_port()
+        log = open(work_dir / "prometheus.log", "wb")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen([prometheus, f"--config.file={work_dir / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={work_dir / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{web}"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=work_dir)
+
+        def up() -> int:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/query?query=up", timeout=5) as r:
+                    result = json.loads(r.read())["data"]["result"]
+            except OSError:
+                return 0
+            return sum(1 for s in result if s["value"][1] == "1")
+
+        assert wait_until(lambda: up() == 2, timeout=60), (work_dir / "prometheus.log").read_text()
+        log.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        t.close()

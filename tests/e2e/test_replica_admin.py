@@ -83,6 +83,8 @@ def test_add_a_replica_while_a_writer_fsyncs_then_remove_it(
     assert not w.errors, w.errors[:3]  # adding made no fsync fail
     assert len(w.acked) > 10
     assert _states(m.path) == ["in-sync", "in-sync"]
+    # It had no error to clear: no warning with "its last error, at None: None".
+    assert "None" not in m.output(), m.output()[-2000:]
     assert [f"{r['address']}/{r['name']}" for r in status_json(m.path)["replicas"]][1] == new
     again = cli("replica", "add", m.path, new)
     assert again.returncode == 1 and "in the set already" in again.stderr, again.stderr

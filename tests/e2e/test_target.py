@@ -852,3 +852,25 @@ def test_a_long_flush_list_is_merged_bounds_checked_and_counted(open_target: Run
         lane.close()
         other.close()
         ctl.close()
+
+
+def test_a_hello_of_another_version_is_answered_with_code_1_and_a_bad_hello_with_code_2(
+        open_target: Running) -> None:
+    """docs/wire.md: the HELLO and the answer to a version the target does not speak (ERROR
+    code 1, VERSION, saying which version it speaks) read the same to every version, so an
+    initiator of version 1 (or a later one) learns why; a malformed HELLO is code 2."""
+
+    def hello(magic: bytes, version: int) -> bytes:
+        return HELLO.pack(magic, version, Role.CONTROL, 0, 0, b"n" * 32, NO_SESSION)
+
+    for data, code, said in ((hello(HELLO_MAGIC, 1), 1, f"this target speaks {VERSION}"),
+                             (hello(HELLO_MAGIC, VERSION + 1), 1, f"this target speaks {VERSION}"),
+                             (hello(b"NOTRPMEM", VERSION), 2, "bad magic")):
+        raw = RawConn(open_target.address)
+        try:
+            raw.send(data)
+            got, reason = raw.closed_with_error()
+            assert (got, Code(got).name) == (code, ["VERSION", "BAD_HELLO"][code - 1]), reason
+            assert said in reason, reason
+        finally:
+            raw.close()

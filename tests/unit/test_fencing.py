@@ -40,6 +40,19 @@ def test_a_normal_claim_is_refused_once_another_initiator_claimed_the_pool() -> 
     assert refusal(Owner(G2B), G2A, G3, False)  # same generation, another nonce
 
 
+def test_no_claim_moves_the_recorded_epoch_back_whatever_prev_it_names() -> None:
+    # prev = the record, as a client that read it (probe) can always say, or a later one.
+    for prev in (G2A, G3):
+        for cur in (0, G1, G2A - 1, G2A + 1, G2B):
+            why = refusal(Owner(G2A, {"host": "nodeA"}), prev, cur, False)
+            assert why and "nodeA" in why, (show_epoch(prev), show_epoch(cur))
+            assert "only rise" in why or "taken over" in why, why
+    assert refusal(Owner(G2A), G2A, G3, False) is None  # the next generation: rising
+    assert refusal(Owner(G2A), G3, G2A, False) is None  # at the record itself: a reconnect
+    for cur in (0, G1, G2A):  # takeovers too: never below the record, nor at it
+        assert refusal(Owner(G2A), G2A, cur, True)
+
+
 def test_takeovers_need_a_higher_epoch_so_exactly_one_of_two_racing_wins() -> None:
     low, high = sorted((G2A, G2B))
     for first, second in ((low, high), (high, low)):

@@ -123,3 +123,74 @@ def test_an_initiators_token_says_which_file_it_came_from(tmp_path: Path) -> Non
     hint = refused_hint(token)
     assert f"the token file recorded in the pool, {path}" in hint and "--token-file F" in hint
     assert refused_hint(bytes(token)) == ""  # raw bytes (tests, tools) name no file
+
+
+def test_an_authz_file_others_may_change_or_that_grants_nothing_is_refused(tmp_path: Path) -> None:
+    """Issue 30, item 5: whoever may change the file decides who gets in. Others may read it
+    (it names token files, it holds none); an empty file is refused as one emptied by mistake."""
+    tok = tmp_path / "alice"
+    new_token_file(str(tok))
+    rules = tmp_path / "authz"
+    rules.write_text(f"alice pools {tok} alice-*\n")
+    for mode in (0o600, 0o644):
+        rules.chmod(mode)
+        book = TokenBook()
+        read_authz(str(rules), book)
+        assert [g.name for g in book.grants()] == ["alice"]
+    for mode in (0o666, 0o620, 0o602):
+        rules.chmod(mode)
+        with pytest.raises(AuthzError, match=f"authorization file {rules} has mode {mode:04o}: group "
+                           "or others may change it"):
+            read_authz(str(rules), TokenBook())
+    rules.chmod(0o600)
+    for text in ("", "# alice pools x a-*\n\n"):
+        rules.write_text(text)
+        with pytest.raises(AuthzError, match="grants nothing"):
+            read_authz(str(rules), TokenBook())
+    rules.unlink()
+    rules.mkdir()
+    with pytest.raises(AuthzError, match="is not a regular file"):
+        read_authz(str(rules), TokenBook())
+
+
+def test_authz_lines_give_a_pools_token_a_quota_and_a_pool_count(tmp_path: Path) -> None:
+    """Issue 30, item 8: quota=SIZE and pools=N after the patterns (no pool name holds '=')."""
+    tok, ops = tmp_path / "alice", tmp_path / "ops"
+    new_token_file(str(tok))
+    new_token_file(str(ops))
+    rules = tmp_path / "authz"
+    rules.write_text(f"alice pools {tok} alice-* quota=10G shared pools=4\n")
+    book = TokenBook()
+    read_authz(str(rules), book)
+    alice = book.named("alice")
+    assert alice == Grant("alice", False, ("alice-*", "shared"), 10 << 30, 4) and alice.limited
+    assert book.describe() == "alice (pools, 1 token, quota 10.0 GiB, at most 4 pools)"
+    for line, why in ((f"alice pools {tok} a-* quota=lots", "quota= needs a size like 10G"),
+                      (f"alice pools {tok} a-* pools=0", "a limit of 0"),
+                      (f"alice pools {tok} a-* pools=2 pools=3", "pools= is given twice"),
+                      (f"alice pools {tok} a-* size=1G", "unknown limit 'size=1G'"),
+                      (f"alice pools {tok} quota=1G", "needs at least one pool name pattern"),
+                      (f"ops admin {ops} quota=1G", "an admin token has no limits")):
+        rules.write_text(line + "\n")
+        with pytest.raises(AuthzError, match=f"authz:1: .*{why}"):
+            read_authz(str(rules), TokenBook())
+
+
+def test_authz_lines_give_a_token_its_own_connection_cap(tmp_path: Path) -> None:
+    """Issue 30, item 2: connections=N on a line of either role (admission.py applies it)."""
+    tok, ops = tmp_path / "alice", tmp_path / "ops"
+    new_token_file(str(tok))
+    new_token_file(str(ops))
+    rules = tmp_path / "authz"
+    rules.write_text(f"alice pools {tok} alice-* connections=8 shared\nops admin {ops} connections=500\n")
+    book = TokenBook()
+    read_authz(str(rules), book)
+    assert book.named("alice") == Grant("alice", False, ("alice-*", "shared"), max_connections=8)
+    ops_grant = book.named("ops")
+    assert ops_grant is not None and ops_grant.max_connections == 500
+    for line, why in ((f"alice pools {tok} a-* connections=0", "at least 1"),
+                      (f"alice pools {tok} a-* connections=many", "a whole number"),
+                      (f"alice pools {tok} a-* connections=2 connections=3", "connections= is given twice")):
+        rules.write_text(line + "\n")
+        with pytest.raises(AuthzError, match=f"authz:1: .*{why}"):
+            read_authz(str(rules), TokenBook())

@@ -100,3 +100,19 @@ def test_c_sources_take_the_format_from_the_generated_header(source: str) -> Non
     assert not _OWN_STRUCT.search(text), f"{source} declares a frame header itself; use struct rpm_wire_hdr"
     if source == "rpmem_native.h":
         assert '#include "rpmem_wire.h"' in text
+
+
+@pytest.mark.parametrize("enum_name", [name for name, _ in GEN.ENUMS])
+def test_no_two_names_of_an_enum_share_a_value(enum_name: str) -> None:
+    # A second name with a value already taken is an alias in Python: C never gets it, and
+    # Code(value).name gives the other name (a refused HELLO read as a version mismatch).
+    members = getattr(wire, enum_name).__members__
+    values = [int(v) for v in members.values()]
+    assert len(set(values)) == len(values), {n: int(v) for n, v in members.items()}
+
+
+def test_error_codes_are_the_ones_docs_wire_md_lists() -> None:
+    text = (NATIVE.parent / "docs" / "wire.md").read_text()
+    table = text.split("| ERROR code | name | when |", 1)[1].split("\n\n", 1)[0]
+    documented = {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| (\w+) \|", table, re.M)}
+    assert documented == {n: int(v) for n, v in wire.Code.__members__.items()}
