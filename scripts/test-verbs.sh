@@ -73,13 +73,15 @@ done
 
 [ "${1:-}" = --setup-only ] && exit 0
 
-# tests/verbs: raw pyverbs between two processes, and one mount replicated over verbs;
+# tests/verbs: raw pyverbs between two processes, one mount replicated over verbs, and pools
+# on the emulated NVDIMM, laid out as fsdax (ext4 -o dax) beside two device DAX namespaces;
 # tests/e2e/test_lanes.py: the transport-level cases shared with TCP, their rdma half.
 run_tests() {  # KERNEL (empty: the default) PYTHON PYTEST-ARGS...
     local kernel=$1 python=$2
     shift 2
     echo "verbs tests: kernel ${kernel:-$(cat vm/kernel/default)}, $python" >&2
-    env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" VM_NVDIMM="${VM_NVDIMM:-256}" vm/run.sh "$python" -m pytest -q -p no:cacheprovider \
+    env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" VM_NVDIMM="${VM_NVDIMM:-256}" \
+        VM_NVDIMM_MODE="${VM_NVDIMM_MODE:-both}" vm/run.sh "$python" -m pytest -q -p no:cacheprovider \
         tests/verbs tests/e2e/test_lanes.py -k "rdma or not test_lanes" "$@"
 }
 rc=0

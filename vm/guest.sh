@@ -83,24 +83,54 @@ done
 has_gid rxe0 $IP_A && has_gid rxe1 $IP_B || fail "rxe0/rxe1 have no IPv4 GID"
 mark ready
 
-# An emulated NVDIMM (vm/run.sh VM_NVDIMM=MiB): ext4 on /dev/pmem0, mounted with -o dax.
+# An emulated NVDIMM (vm/run.sh VM_NVDIMM=MiB, VM_NVDIMM_MODE): fsdax with ext4 -o dax on it,
+# device DAX namespaces, or both in its one region.
 pmem_dir=
+dax_devs=
 if [ -e "$JOB/nvdimm" ]; then
-    modprobe -a nfit nd_pmem dax_pmem 2>/dev/null || modprobe -a nfit nd_pmem || fail "cannot load the NVDIMM drivers"
+    read -r nv_mib nv_mode < "$JOB/nvdimm"
+    # device_dax binds the devdax namespaces to /dev/daxX.Y; the kernel would load it through
+    # the initramfs's modprobe, which knows no modules.
+    modprobe -a nfit nd_pmem dax_pmem device_dax 2>/dev/null || modprobe -a nfit nd_pmem || fail "cannot load the NVDIMM drivers"
     for _ in {1..100}; do [ -e /sys/bus/nd/devices/namespace0.0 ] && break; sleep 0.1; done
-    # The NVDIMM's namespace starts raw, where ext4 cannot use DAX (no struct pages for it):
-    # give it labels and make it fsdax, with its page map in RAM (the NVDIMM is small).
-    read -r nv_mib < "$JOB/nvdimm"
-    { ndctl disable-region all && ndctl init-labels -f all && ndctl enable-region all &&
-      ndctl create-namespace -m fsdax -M mem -a 2M -s "$((nv_mib - 16))M"; } > "$JOB/ndctl.log" 2>&1 ||
-        fail "ndctl cannot make an fsdax namespace"
-    for _ in {1..100}; do [ -b /dev/pmem0 ] && break; sleep 0.1; done
-    [ -b /dev/pmem0 ] || fail "no /dev/pmem0 from the emulated NVDIMM"
-    modprobe ext4 || fail "cannot load ext4"
-    mkfs.ext4 -q -F -b 4096 /dev/pmem0 || fail "mkfs.ext4 on /dev/pmem0 failed"
-    mkdir -p /mnt/pmem
-    mount -o dax /dev/pmem0 /mnt/pmem || { dmesg | tail -5; fail "cannot mount /dev/pmem0 with -o dax"; }
-    pmem_dir=/mnt/pmem
+    # The NVDIMM's namespace starts raw, where ext4 cannot use DAX (no struct pages for it) and
+    # no device DAX can be made: give it labels, then carve namespaces with their page maps in
+    # RAM (the NVDIMM is small). Sizes are whole units of the region's alignment (16 MiB under
+    # QEMU: "align setting is 0x1000000"); one unit stays unused for the labels.
+    units=$((nv_mib / 16 - 1))
+    case "${nv_mode:-fsdax}" in
+        fsdax) fs_mib=$((units * 16)) dax_mib=0 ;;
+        devdax) fs_mib=0 dax_mib=$((units / 2 * 16)) ;;
+        both) fs_mib=$((units / 2 * 16)) dax_mib=$(((units - units / 2) / 2 * 16)) ;;
+    esac
+    {
+        ndctl disable-region all && ndctl init-labels -f all && ndctl enable-region all &&
+        if [ "$fs_mib" -gt 0 ]; then ndctl create-namespace -m fsdax -M mem -a 2M -s "${fs_mib}M"; fi &&
+        if [ "$dax_mib" -gt 0 ]; then
+            # Two, so that a primary and a target (or two pools) each have one.
+            ndctl create-namespace -m devdax -M mem -a 2M -s "${dax_mib}M" &&
+            ndctl create-namespace -m devdax -M mem -a 2M -s "${dax_mib}M"
+        fi
+    } > "$JOB/ndctl.log" 2>&1 || { cat "$JOB/ndctl.log"; fail "ndctl cannot lay out the NVDIMM as $nv_mode"; }
+    if [ "$fs_mib" -gt 0 ]; then
+        for _ in {1..100}; do [ -b /dev/pmem0 ] && break; sleep 0.1; done
+        [ -b /dev/pmem0 ] || fail "no /dev/pmem0 from the emulated NVDIMM"
+        modprobe ext4 || fail "cannot load ext4"
+        mkfs.ext4 -q -F -b 4096 /dev/pmem0 || fail "mkfs.ext4 on /dev/pmem0 failed"
+        mkdir -p /mnt/pmem
+        mount -o dax /dev/pmem0 /mnt/pmem || { dmesg | tail -5; fail "cannot mount /dev/pmem0 with -o dax"; }
+        pmem_dir=/mnt/pmem
+    fi
+    if [ "$dax_mib" -gt 0 ]; then
+        for _ in {1..100}; do
+            set -- /dev/dax*.*
+            [ -c "$1" ] && [ $# -ge 2 ] && break
+            sleep 0.1
+        done
+        [ -c "$1" ] && [ $# -ge 2 ] || { cat "$JOB/ndctl.log"; fail "no /dev/daxX.Y from the devdax namespaces"; }
+        dax_devs=$(IFS=,; echo "$*")
+        set --
+    fi
     mark pmem
 fi
 
@@ -109,6 +139,7 @@ fi
 source "$JOB/env"
 export RXE_VM=1 RXE_DEV_A=rxe0 RXE_DEV_B=rxe1 RXE_IP_A=$IP_A RXE_IP_B=$IP_B
 [ -n "$pmem_dir" ] && export RPMEMFS_PMEM_DIR=$pmem_dir
+[ -n "$dax_devs" ] && export RPMEMFS_DAX_DEVS=$dax_devs
 ulimit -l unlimited   # registered memory is locked memory
 read -r cwd < "$JOB/cwd"
 cd "$cwd" || fail "no directory $cwd in the guest"

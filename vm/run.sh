@@ -16,15 +16,19 @@
 #        VM_BOOT_RETRIES=2                  VM_MEM=2048 (MiB)   VM_SMP=$(nproc)
 #        VM_KERNEL=<version under vm/kernel> VM_ACCEL=auto|tcg|kvm
 #        VM_RW=dir1:dir2 (more read-write directories)   VM_DEBUG=1 (kernel log, set -x)
-#        VM_NVDIMM=MiB (an emulated NVDIMM of that size, backed by a sparse file of the job: the
-#        guest sees /dev/pmem0, makes ext4 on it, mounts it with -o dax at /mnt/pmem and exports
-#        RPMEMFS_PMEM_DIR=/mnt/pmem)
+#        VM_NVDIMM=MiB (an emulated NVDIMM of that size, backed by a sparse file of the job) and
+#        VM_NVDIMM_MODE, what the guest makes of it:
+#          fsdax (default)  /dev/pmem0 with ext4 mounted -o dax at /mnt/pmem;
+#                           exports RPMEMFS_PMEM_DIR=/mnt/pmem
+#          devdax           two device DAX namespaces (2 MiB alignment); exports their
+#                           devices, RPMEMFS_DAX_DEVS=/dev/dax0.0,/dev/dax0.1
+#          both             half fsdax, two quarters devdax; exports both variables
 set -uo pipefail
 VM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$VM_DIR")
 
 if [ $# -eq 0 ]; then
-    sed -n '2,18p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,22p' "${BASH_SOURCE[0]}" >&2
     exit 2
 fi
 say() { echo "vm/run.sh: $*" >&2; }
@@ -96,9 +100,13 @@ mem=${VM_MEM:-2048}
 machine=()
 memory=(-m "$mem")
 if [ -n "${VM_NVDIMM:-}" ]; then
-    [[ $VM_NVDIMM =~ ^[0-9]+$ ]] || cannot_start "VM_NVDIMM must be a size in MiB"
+    [[ $VM_NVDIMM =~ ^[0-9]+$ ]] && ((VM_NVDIMM >= 64)) || cannot_start "VM_NVDIMM must be a size in MiB, at least 64"
+    case "${VM_NVDIMM_MODE:=fsdax}" in
+        fsdax|devdax|both) ;;
+        *) cannot_start "VM_NVDIMM_MODE must be fsdax, devdax or both, not $VM_NVDIMM_MODE" ;;
+    esac
     truncate -s "${VM_NVDIMM}M" "$JOB/nvdimm.img" || cannot_start "cannot make the NVDIMM's backing file"
-    echo "$VM_NVDIMM" > "$JOB/nvdimm"
+    echo "$VM_NVDIMM $VM_NVDIMM_MODE" > "$JOB/nvdimm"
     machine=(-machine pc,nvdimm=on)
     memory=(-m "$mem,slots=2,maxmem=$((mem + VM_NVDIMM))M"
             -object "memory-backend-file,id=nv0,share=on,mem-path=$(qesc "$JOB/nvdimm.img"),size=${VM_NVDIMM}M"
