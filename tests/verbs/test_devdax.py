@@ -1,0 +1,180 @@
+"""Pools on device DAX (/dev/daxX.Y), on the VM's emulated NVDIMM (vm/run.sh VM_NVDIMM with
+VM_NVDIMM_MODE=devdax or both, which exports RPMEMFS_DAX_DEVS).
+
+The pool is the device (or its first part): mkfs takes the device's size, the mount maps it
+whole and makes every durability point with cache-line flushes and a fence, never msync (the
+kernel refuses msync on a device DAX). A kill -9 of the mount loses no fsync'ed file; check is
+clean; grow stops at the end of the device; a device in use is refused.
+
+A target serves a pool on the other device (--pool-dev), over verbs: the kernel registers a
+device DAX mapping for RDMA (it refuses file-system DAX, tests/verbs/test_dax.py), and the
+target declares the appliance method for it by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import helpers
+import pytest
+from helpers import Mount, assert_check_clean, assert_clean_error, cli, describe, status_json, write_fsync
+
+from rpmemfs.devdax import probe
+from rpmemfs.tools.processes import TargetProcess
+from rpmemfs.transport.choose import rdma_devices
+
+DEVS = [d for d in os.environ.get("RPMEMFS_DAX_DEVS", "").split(",") if d]
+IP_A = os.environ.get("RXE_IP_A", "")
+IP_B = os.environ.get("RXE_IP_B", "")
+pytestmark = [
+    pytest.mark.skipif(len(DEVS) < 2, reason="needs two device DAX namespaces: run it in the VM "
+                                            "with VM_NVDIMM_MODE=devdax (scripts/test-verbs.sh does)"),
+    pytest.mark.timeout(900),
+]
+
+
+@pytest.fixture
+def work(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setattr(helpers, "MOUNT_TIMEOUT", 300.0)
+    # On /dev/shm: the guest's / is an overlay, whose files report another device than their
+    # directory, which a target refuses in its pool directory.
+    d = Path(tempfile.mkdtemp(prefix="rpmemfs-devdax-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_pool_on_device_dax_flushes_never_msyncs_and_survives_kill9(work: Path) -> None:
+    dev = DEVS[0]
+    info = probe(dev)
+    assert info is not None and info.size % info.align == 0, info
+    res = cli("mkfs", dev, "--force", timeout=300)  # no --size: the device's
+    assert res.returncode == 0, describe(res)
+    assert f"created pool {dev}" in res.stdout, res.stdout
+    # A pool is there now: making another needs --force, as for a file.
+    assert_clean_error(cli("mkfs", dev, timeout=300), "holds an rpmemfs pool .* use --force", one_line=True)
+    m = Mount(Path(dev), work / "mnt", work, options="pmem=auto")
+    m.start()
+    try:
+        st = status_json(m.path)
+        assert st["pmem_mode"] == "devdax" and st["size"] == info.size, st
+        before = st["persists"]
+        data = {f"f{i}": os.urandom(3000 + 7000 * i) for i in range(8)}
+        for name, payload in data.items():
+            write_fsync(m.path / name, payload)
+        after = status_json(m.path)["persists"]
+        assert after["flush_fence"] >= before["flush_fence"] + len(data), (before, after)
+        assert after["msync"] == 0, after  # never: the kernel would refuse it (EINVAL)
+        # The mount holds the device as it holds a pool file: nothing else may write it.
+        assert_clean_error(cli("mkfs", dev, "--force", timeout=300), "is in use", one_line=True)
+        assert_clean_error(cli("check", dev, timeout=300), f"pool {dev} is mounted at", one_line=True)
+        m.kill9()
+        assert_check_clean(Path(dev))
+        m.start()
+        for name, payload in data.items():
+            assert (m.path / name).read_bytes() == payload, name
+        assert status_json(m.path)["pmem_mode"] == "devdax"
+        m.unmount()
+    finally:
+        m.cleanup()
+    assert_check_clean(Path(dev))
+
+
+def test_a_smaller_pool_on_a_device_grows_up_to_the_device_and_no_further(work: Path) -> None:
+    dev = DEVS[1]
+    info = probe(dev)
+    assert info is not None
+    half = info.size // 2 // (1 << 20) << 20
+    too_big = f"{info.size + (2 << 20)}"
+    assert_clean_error(cli("mkfs", dev, "--size", too_big, "--force", timeout=300), "does not fit",
+                       one_line=True)
+    res = cli("mkfs", dev, "--size", str(half), "--force", timeout=300)
+    assert res.returncode == 0, describe(res)
+    m = Mount(Path(dev), work / "mnt", work, options="pmem=auto")
+    m.start()
+    try:
+        assert status_json(m.path)["size"] == half
+        write_fsync(m.path / "kept", b"x" * 100_000)
+        m.unmount()
+    finally:
+        m.cleanup()
+    assert_clean_error(cli("grow", dev, "--size", too_big, timeout=300), "a device cannot grow",
+                       one_line=True)
+    res = cli("grow", dev, "--size", str(info.size), timeout=300)
+    assert res.returncode == 0, describe(res)
+    assert_check_clean(Path(dev))
+    m.start()
+    try:
+        st = status_json(m.path)
+        assert st["size"] == info.size and st["pmem_mode"] == "devdax", st
+        assert (m.path / "kept").read_bytes() == b"x" * 100_000
+        m.unmount()
+    finally:
+        m.cleanup()
+
+
+def test_a_target_serves_a_pool_on_device_dax_over_verbs(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not (rdma_devices() and IP_A and IP_B):
+        pytest.skip("needs RDMA devices (rxe) in the VM")
+    monkeypatch.setenv("RPMEMFS_RDMA_SRC", IP_A)
+    primary, replica = DEVS
+    info = probe(primary)
+    assert info is not None
+    token = work / "token"
+    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
+    token.chmod(0o600)
+    d = work / "target"
+    d.mkdir(mode=0o700)
+    # No --persist: a target whose pools are on device DAX declares the appliance method.
+    t = TargetProcess(d, listen=f"{IP_B}:0", token_file=token, extra=["--pool-dev", f"app={replica}"],
+                      log_path=work / "target.log")
+    m = Mount(Path(primary), work / "mnt", work, options="pmem=auto")
+    alone: Mount | None = None
+    try:
+        t.start(timeout=180)
+        # The device is the target's while it runs: another target (or a mount) is refused.
+        res = cli("target", "--listen", f"{IP_B}:0", "--pool-dir", d, "--token-file", token,
+                  "--pool-dev", f"other={replica}", timeout=300)
+        assert_clean_error(res, rf"--pool-dev other={replica}: the device is in use", one_line=True)
+        assert res.returncode == 2, describe(res)
+        res = cli("mkfs", primary, "--force", "--token-file", token, "--replica",
+                  f"rdma://{t.address}/app", timeout=600)
+        assert res.returncode == 0, describe(res)
+        res = cli("pools", t.address, "--json", "--token-file", token, timeout=300)
+        assert res.returncode == 0, describe(res)
+        assert json.loads(res.stdout)["app"]["size"] == info.size
+        assert not (d / "app").exists() and (d / ".app.dev").is_file()
+        m.start()
+        data = {f"f{i}": os.urandom(size) for i, size in enumerate((1, 4096, 70_000, 300_000))}
+        for name, payload in data.items():
+            write_fsync(m.path / name, payload)
+        st = status_json(m.path)
+        assert st["pmem_mode"] == "devdax" and st["persists"]["msync"] == 0, st
+        rep = st["replicas"][0]
+        assert rep["state"] == "in-sync" and rep["transport"] == "rdma", rep
+        assert rep["method"] in ("apm", "flush"), rep  # flush: a native RDMA FLUSH (6.12 stack)
+        assert rep["flushes"] == rep["barriers"] >= len(data), rep
+        m.kill9()
+        assert_check_clean(Path(primary))
+        log = t.log_text()
+        assert f"pool app mapped ({info.size} bytes of device DAX {replica})" in log, log
+        t.close()
+        # The replica's device, with the target gone, is a pool of its own: clean, and mounted
+        # alone it holds every file fsync'ed before the kill.
+        assert_check_clean(Path(replica))
+        alone = Mount(Path(replica), work / "alone", work,
+                      options="pmem=auto,min_replicas=0,replica_timeout=1")
+        alone.start()
+        for name, payload in data.items():
+            assert (alone.path / name).read_bytes() == payload, name
+        alone.unmount()
+    finally:
+        m.cleanup()
+        if alone is not None:
+            alone.cleanup()
+        t.close()
