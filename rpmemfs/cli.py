@@ -716,7 +716,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("pool")
     s.add_argument("--size", type=_size_arg,
                    help="pool size, e.g. 64M, 4G (a pool-set file gives its own)")
-    s.add_argument("--force", action="store_true", help="overwrite an existing file")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing pool file (not a symbolic link, nor one in use)")
     s.add_argument("--replica", action="append", type=_replica_arg, metavar="HOST:PORT/NAME",
                    help="make a replica pool NAME on the target daemon at HOST:PORT")
     s.add_argument("--token-file", help="shared token for the target daemons")
@@ -783,7 +784,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("pool", help="the pool file to write")
     s.add_argument("--from", dest="source", required=True, type=_replica_arg, metavar="HOST:PORT/NAME")
     s.add_argument("--token-file", help="token for the target")
-    s.add_argument("--force", action="store_true", help="replace an existing file")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing pool file (not a symbolic link, nor one in use)")
     _unfinished_option(s)
     s.add_argument("--json", action="store_true")
 

@@ -7,7 +7,9 @@ operator needs to know which of those holds it and since when, not just that som
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 import time
 
 
@@ -73,3 +75,24 @@ def describe_process(pid: int) -> str:
         pass
     shown = cmd if len(cmd) <= 160 else cmd[:157] + "..."
     return f"pid {pid}{f' ({shown})' if shown else ''}{since}"
+
+
+def busy(path: str) -> str | None:
+    """Who has the pool file at ``path`` open (every writer holds an exclusive lock on it, a
+    reader a shared one), described; None when nobody, or when no regular file is there (a
+    link is not followed). What mkfs and recover ask before they replace a pool: one that is
+    mounted, served or read must not lose its name under the process using it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "; ".join(map(describe_process, lock_holders(fd))) or "holder not visible from here"
+        return None
+    finally:
+        os.close(fd)

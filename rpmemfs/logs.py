@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from rpmemfs import safeopen
 from rpmemfs.printable import printable
 
 REPEAT_WINDOW = 60.0
@@ -135,9 +136,9 @@ def to_syslog(level: str, ident: str = "rpmemfs") -> bool:
 
 def to_file(level: str, path: str) -> None:
     """Send the lines, and whatever else reaches stderr (fd 2), to the file at ``path``:
-    appended to, created mode 0600, never through a symbolic link. OSError when it cannot be
-    opened (nothing changed then)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    appended to, created mode 0600, never through a symbolic link nor into another's file
+    (safeopen.append). OSError when it cannot be opened (nothing changed then)."""
+    fd = safeopen.append(path)
     os.dup2(fd, 2)
     os.close(fd)
     setup(level, sys.stderr)

@@ -9,11 +9,13 @@ import time
 import uuid as uuidlib
 from collections.abc import Callable
 
+from rpmemfs import safeopen
 from rpmemfs.devdax import DaxDevice, DevDaxError, probe
 from rpmemfs.fs import records as R
 from rpmemfs.fs.errors import MkfsError
 from rpmemfs.fs.log import Ranges
 from rpmemfs.fs.replay import ROOT_INO
+from rpmemfs.holders import busy
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool import position
 from rpmemfs.pool.header import find_header
@@ -120,6 +122,10 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         hdr = plan(size, uuidlib.uuid4().bytes, time.time_ns())
     except PoolFormatError as e:
         raise MkfsError(str(e)) from None
+    try:
+        safeopen.refuse_link(path)  # a pool is written where it is named, device DAX or file
+    except OSError as e:
+        raise MkfsError(str(e)) from None
     if device_at(path) is not None:
         return _mkfs_device(path, hdr, force, os.getuid() if uid is None else uid,
                             os.getgid() if gid is None else gid, progress)
@@ -128,6 +134,8 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         raise MkfsError(f"{path} is not a regular file: a pool is a file or a device DAX (/dev/daxX.Y)")
     if os.path.lexists(path) and not force:
         raise MkfsError(f"{path} exists; use --force to overwrite it")
+    if force and (who := busy(path)):
+        raise MkfsError(f"{path} is in use ({who}): stop that process before replacing the pool")
     if os.path.isdir(path):
         raise MkfsError(f"{path} is a directory")
     parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -139,8 +147,11 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         raise MkfsError(f"not enough free space in {parent}: pool needs {size} bytes, "
                         f"{free} available")
     try:
-        # O_EXCL: what appeared since the check above (a symlink, say) is not written through.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL), 0o600)
+        # Never through a link, nor into a file someone else left at the name: --force
+        # replaces the name's file by a new one (rpmemfs/safeopen.py).
+        fd = safeopen.replace(path) if force else safeopen.create(path)
+    except safeopen.RefusedPath as e:
+        raise MkfsError(str(e)) from None
     except FileExistsError:
         raise MkfsError(f"{path} exists; use --force to overwrite it") from None
     except OSError as e:
@@ -152,10 +163,10 @@ def mkfs(path: str, size: int, force: bool = False, uid: int | None = None, gid:
         os.unlink(path)
         raise
     os.close(fd)
-    with PoolMapping.open(path, "msync") as pm:
+    with PoolMapping.open(path, "msync", opener=safeopen.opener) as pm:
         pm.persist(format_pool(pm.buf, hdr, os.getuid() if uid is None else uid,
                                os.getgid() if gid is None else gid))
-    fd = os.open(path, os.O_RDONLY)
+    fd = safeopen.opener(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

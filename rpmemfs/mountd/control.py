@@ -1,8 +1,12 @@
 """The mount daemon's control socket: `rpmemfs status` asks it, whatever the mount options.
 
 One Unix socket per mount, named after the mountpoint, in a directory of the mount's user
-alone (/run/rpmemfs for root, $XDG_RUNTIME_DIR/rpmemfs-UID or else /tmp/rpmemfs-UID for a
-user; mode 0700, owner checked by the daemon and by every client before use).
+alone, mode 0700, owner checked by the daemon and by every client before use. For root it is
+/run/rpmemfs. For another user it is in the user's runtime directory where there is one
+($XDG_RUNTIME_DIR, else /run/user/UID, each used only when it is the user's, mode 0700), else
+/tmp/rpmemfs-UID; another user can make that one first, and then it is refused (never used),
+naming who made it. A client looks in each of them in that order, so that `rpmemfs status`
+finds a mount started where the runtime directory was another or none (at boot, from cron).
 
 The protocol is a line in ("status", "verify [CHUNK]", "sync", "flush", "umount"), JSON
 lines back: any number of progress lines ({"progress": bytes done, "total": bytes}) for long
@@ -21,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import select
 import socket
 import stat
@@ -44,10 +49,30 @@ class ControlDirError(OSError):
     it could answer status requests with made-up states, or take the requests)."""
 
 
-def socket_dir() -> str:
-    if os.geteuid() == 0:
-        return "/run/rpmemfs"
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"rpmemfs-{os.geteuid()}")
+ROOT_DIR = "/run/rpmemfs"
+
+
+def _users_alone(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def socket_dirs() -> list[str]:
+    """Where this user's control sockets may be, the one a new mount uses first (see the
+    module's text)."""
+    uid = os.geteuid()
+    if uid == 0:
+        return [ROOT_DIR]
+    found: list[str] = []
+    # A runtime directory that is not this user's alone (one kept across su, say) is passed over.
+    for runtime in (os.environ.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
+        mine = os.path.join(runtime, "rpmemfs")
+        if os.path.isabs(runtime) and _users_alone(runtime) and mine not in found:
+            found.append(mine)
+    return [*found, f"/tmp/rpmemfs-{uid}"]
 
 
 def check_socket_dir(path: str) -> None:
@@ -58,9 +83,10 @@ def check_socket_dir(path: str) -> None:
         raise ControlDirError(f"control socket directory {path} is not a directory; refusing to use it")
     if st.st_uid != os.geteuid():
         raise ControlDirError(
-            f"control socket directory {path} belongs to uid {st.st_uid}, not to this user (uid "
-            f"{os.geteuid()}): someone else made it first; refusing to use it (remove it, or set "
-            "XDG_RUNTIME_DIR to a directory of yours)"
+            f"control socket directory {path} belongs to uid {st.st_uid}{_who(st.st_uid)}, not to "
+            f"this user (uid {os.geteuid()}): someone else made it first; refusing to use it (have "
+            "it removed, or set XDG_RUNTIME_DIR to a directory of yours with mode 0700, for this "
+            "mount and the commands that ask it)"
         )
     if st.st_mode & 0o077:
         raise ControlDirError(
@@ -69,13 +95,30 @@ def check_socket_dir(path: str) -> None:
         )
 
 
-def socket_path(mountpoint: str, *, resolved: bool = False) -> str:
-    """The socket of the daemon serving ``mountpoint``. ``resolved``: the path is the kernel's
-    own (from the mount table) and is not resolved again, which would stat the mount itself
-    and hang on a daemon that does not answer."""
+def _who(uid: int) -> str:
+    try:
+        return f" ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return ""
+
+
+def socket_path(mountpoint: str, *, resolved: bool = False, serving: bool = False) -> str:
+    """The socket of the daemon serving ``mountpoint``: the first of socket_dirs() that holds
+    it, else where a new mount puts it; ``serving``: where the daemon about to serve it puts
+    it (the first of socket_dirs(), whatever is left elsewhere). ``resolved``: the path is the
+    kernel's own (from the mount table) and is not resolved again, which would stat the mount
+    itself and hang on a daemon that does not answer."""
     path = mountpoint if resolved else os.path.realpath(mountpoint)
-    key = hashlib.sha256(path.encode()).hexdigest()[:20]
-    return os.path.join(socket_dir(), key + ".sock")
+    name = hashlib.sha256(path.encode()).hexdigest()[:20] + ".sock"
+    dirs = socket_dirs()
+    for directory in [] if serving else dirs:
+        try:
+            check_socket_dir(directory)  # what another user made is never looked into
+            if stat.S_ISSOCK(os.lstat(os.path.join(directory, name)).st_mode):
+                return os.path.join(directory, name)
+        except OSError:
+            continue
+    return os.path.join(dirs[0], name)
 
 
 def log_path(socket: str) -> str:

@@ -60,7 +60,7 @@ class Mounted:
         if not os.path.exists(self.pool):
             raise MountError(f"pool {pool} does not exist")
         clear_mountpoint(mountpoint, "rpmemfs:" + self.pool)  # a dead mount of this pool goes
-        self.control_path = control.socket_path(self.mountpoint)
+        self.control_path = control.socket_path(self.mountpoint, serving=True)
         try:
             control.prepare_dir(self.control_path)  # refused before anything is claimed
         except OSError as e:

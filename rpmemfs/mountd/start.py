@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 import trio
 
-from rpmemfs import logs
+from rpmemfs import logs, safeopen
 from rpmemfs.mountd import control
 from rpmemfs.mountd.daemon import Mounted
 from rpmemfs.mountd.errors import MountError
@@ -24,7 +25,7 @@ def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
     mo = parse_options(opts)
     if mo.wire_protection is not None:
         protection.set_initiator(mo.wire_protection)  # every connection of this mount, and its children
-    logs.setup(mo.log_level, open(mo.log_file, "a") if mo.log_file else None)  # noqa: SIM115
+    logs.setup(mo.log_level, _log_file(mo.log_file) if mo.log_file else None)
     if foreground:
         m = Mounted(pool, mountpoint, mo)
 
@@ -39,6 +40,16 @@ def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
             m.finish()
         return 0
     return _daemonize(pool, mountpoint, mo)
+
+
+def _log_file(path: str) -> TextIO:
+    """The file of `-o log=`, appended to: never through a link, nor into another's file (its
+    name may be in /tmp, where anyone can put something first)."""
+    try:
+        return os.fdopen(safeopen.append(path), "a")
+    except OSError as e:
+        why = e if isinstance(e, safeopen.RefusedPath) else e.strerror
+        raise MountError(f"-o log={path}: {why}") from None
 
 
 def _daemonize(pool: str, mountpoint: str, mo: MountOptions) -> int:

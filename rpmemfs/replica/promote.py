@@ -36,6 +36,8 @@ from typing import Any
 
 import trio
 
+from rpmemfs import safeopen
+from rpmemfs.holders import busy
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool import position
 from rpmemfs.pool.header import read_header, write_header
@@ -72,7 +74,7 @@ async def _claim(spec: ReplicaSpec, token: bytes | None, epoch: int, who: dict[s
 def _same_pool(path: str, hdr: Header) -> bool:
     """Whether ``path`` holds an (older) copy of the pool ``hdr`` describes."""
     try:
-        with PoolMapping.open(path, "msync", readonly=True) as pm:
+        with PoolMapping.open(path, "msync", readonly=True, opener=safeopen.opener) as pm:
             mine, _ = read_header(pm.buf)
     except (PmemError, PoolFormatError, OSError):
         return False
@@ -82,6 +84,13 @@ def _same_pool(path: str, hdr: Header) -> bool:
 def _refuse_destination(pool: str, hdr: Header, force: bool) -> None:
     """Before anything is claimed: a promote that stops at its own destination must not have
     fenced the primary already."""
+    try:
+        safeopen.refuse_link(pool)  # --force or not: the pool is written where it is named
+    except OSError as exc:
+        raise RepairError(str(exc)) from None
+    if who := busy(pool):
+        raise RepairError(f"{pool} is in use ({who}): stop that process before promoting onto it; "
+                          "nothing was claimed")
     if force or not os.path.lexists(pool) or _same_pool(pool, hdr):
         return
     raise RepairError(f"{pool} exists and is not an older copy of this pool (another pool, or "
@@ -216,7 +225,7 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
                      progress: Progress | None, timeout: float) -> tuple[int, int, int]:
     limit = hdr.map_off
     chunk = chunk_of(hdr)  # the unit verify and sync count in too
-    with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
+    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
         buf = mapping.buf
         if incremental:
             _, runs = await differing_chunks(session, region, buf, [(0, limit)], chunk,
@@ -236,7 +245,7 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
 
 def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec) -> None:
     """The new epoch in the header, the source in sync in a sync map under that epoch."""
-    with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
+    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
         promoted = replace(hdr, epoch=epoch)
         mapping.persist(write_header(mapping.buf, promoted))
         mark_others_full(mapping, promoted, source)

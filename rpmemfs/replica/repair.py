@@ -20,6 +20,8 @@ from typing import Any
 
 import trio
 
+from rpmemfs import safeopen
+from rpmemfs.holders import busy
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
@@ -124,6 +126,13 @@ def refuse_unfinished(probe: Probe, allowed: bool) -> None:
 
 
 def create_file(path: str, size: int, force: bool) -> int:
+    """A new pool file of ``size`` bytes at ``path``; with ``force`` in place of the file
+    there. Never through a link, nor into a file someone else left at the name
+    (rpmemfs/safeopen.py)."""
+    try:
+        safeopen.refuse_link(path)
+    except OSError as exc:
+        raise RepairError(str(exc)) from None
     if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
         # --force replaces a pool file; a device node is never truncated, nor unlinked when
         # fallocate fails on it.
@@ -131,6 +140,8 @@ def create_file(path: str, size: int, force: bool) -> int:
                           "(onto a device DAX is not supported yet)")
     if os.path.lexists(path) and not force:
         raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)")
+    if force and (who := busy(path)):
+        raise RepairError(f"{path} is in use ({who}): stop that process before replacing the pool")
     parent = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(parent):
         raise RepairError(f"directory {parent} does not exist")
@@ -138,7 +149,14 @@ def create_file(path: str, size: int, force: bool) -> int:
     free = shutil.disk_usage(parent).free + existing
     if size > free:
         raise RepairError(f"not enough free space in {parent}: the pool needs {size} bytes, {free} available")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fd = safeopen.replace(path) if force else safeopen.create(path)
+    except safeopen.RefusedPath as exc:
+        raise RepairError(str(exc)) from None
+    except FileExistsError:
+        raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)") from None
+    except OSError as exc:
+        raise RepairError(f"cannot create {path}: {exc.strerror}") from None
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
@@ -201,7 +219,7 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             os.close(fd)
             done = False
             try:
-                with PoolMapping.open(pool, "msync", exclusive=True) as mapping:
+                with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
                     buf = mapping.buf
                     limit = await read_runs(lane, region, buf, [(0, hdr.map_off)], timeout, progress)
                     mark_others_full(mapping, hdr, source)

@@ -18,6 +18,8 @@ import struct
 import sys
 import time
 
+from rpmemfs import safeopen
+
 WRITE_SIZE = 4096
 RECORD = struct.Struct("<ddi")
 FLUSH_SECONDS = 0.5  # records reach RECORDS at least this often (and at the end)
@@ -35,7 +37,7 @@ def run(path: str, records: str, span: int) -> None:
     # itself (SIGTERM) once it has seen the interrupt, not the other way round.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     data = os.urandom(WRITE_SIZE)
-    out = os.open(records, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_TRUNC, 0o644)
+    out = safeopen.overwrite(records, flags=os.O_WRONLY | os.O_APPEND)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     pending = bytearray()
     flushed = time.monotonic()

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import IO, Self
 
 import rpmemfs
+from rpmemfs import safeopen
 from rpmemfs.errors import RpmemfsError
 from rpmemfs.mountd.unmount import kernel_path
 from rpmemfs.mountinfo import is_mounted, mount_at, mounts_under
@@ -151,8 +152,7 @@ class TargetProcess:
         if self._log_path is not None:
             # Never through a symlink: a log in a directory someone else could write to would
             # have this process (root, say) write wherever the link points.
-            fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o666)
+            fd = safeopen.overwrite(self._log_path, 0o666, os.O_RDWR)
             self._log = os.fdopen(fd, "w+b")  # lives as long as the process
         else:
             self._log = tempfile.TemporaryFile()  # noqa: SIM115
@@ -345,7 +345,7 @@ class MountProcess:
         if self.log_path is None:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, env=child_env())
         else:
-            with open(self.log_path, "wb") as log:
+            with os.fdopen(safeopen.overwrite(os.fspath(self.log_path)), "wb") as log:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=child_env())
         return self.proc

@@ -21,6 +21,7 @@ from argparse import Namespace, RawDescriptionHelpFormatter
 from pathlib import Path
 from typing import Any
 
+from rpmemfs import safeopen
 from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.progress import Notes
 from rpmemfs.replica import ReplicaState
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--writers, --seconds and --kill-every must be positive")
     report = run(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        safeopen.write_text(args.json, json.dumps(report, indent=2))
     print(f"soak: {report.get('operations', 0)} acknowledged writes "
           f"({report.get('bytes_written', 0)} bytes) by {args.writers} writers in {args.seconds:g} s; "
           f"{report['faults']} target kills, {report.get('resyncs', 0)} resyncs; "

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rpmemfs import safeopen
 
 FAULTS = {"kill": "kill -9", "hang": "SIGSTOP"}  # what --fault does to the target
 FAULT_ENDS = {"kill": "restarted", "hang": "continued (SIGCONT)"}
@@ -161,13 +164,13 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
 def write_outputs(timeline: Timeline, out_dir: Path) -> list[Path]:
     """timeline.json, fsyncs.csv and samples.csv in ``out_dir``; the paths written."""
     paths = [out_dir / "timeline.json", out_dir / "fsyncs.csv", out_dir / "samples.csv"]
-    paths[0].write_text(json.dumps(timeline.to_json(), indent=1) + "\n")
-    with paths[1].open("w", newline="") as f:
+    safeopen.write_text(paths[0], json.dumps(timeline.to_json(), indent=1) + "\n")
+    with os.fdopen(safeopen.overwrite(str(paths[1])), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["t", "seconds", "errno"])
         w.writerows([f"{x.t:.6f}", f"{x.seconds:.7f}", "" if x.errno is None else x.errno]
                     for x in timeline.fsyncs)
-    with paths[2].open("w", newline="") as f:
+    with os.fdopen(safeopen.overwrite(str(paths[2])), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["t", "health", "replica", "state", "lag_bytes", "resync", "error"])
         for s in timeline.samples:

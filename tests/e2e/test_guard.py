@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -26,7 +28,7 @@ from helpers import CLI, REPO, cli, describe, status_json, wait_until, write_fsy
 
 from rpmemfs.mountd import control
 from rpmemfs.target import admin
-from rpmemfs.tools.processes import SpawnError, TargetProcess, child_env
+from rpmemfs.tools.processes import SpawnError, TargetProcess, child_env, detach_all_under
 from rpmemfs.transport import TransportError, barrier, connect
 from rpmemfs.transport.tokens import STATE_ENV, TOKEN_NAME, local_token, new_token_file
 
@@ -41,28 +43,25 @@ def run_as_nobody(fn: Callable[[], Any]) -> Any:
     raised, as ``("raised", text)``."""
     if os.geteuid() != 0:
         pytest.skip("needs root, to become another user")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+    # A file, not a pipe: a daemon the child forks (a mount) holds every descriptor it had,
+    # and the end of a pipe would come only when that daemon has gone.
+    with tempfile.TemporaryFile() as answer:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
             try:
-                out: Any = fn()
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                out = ("raised", f"{type(exc).__name__}: {exc}")
-            os.write(w, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    result = json.loads(data)
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                try:
+                    out: Any = fn()
+                except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                    out = ("raised", f"{type(exc).__name__}: {exc}")
+                os.write(answer.fileno(), json.dumps(out).encode())
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        answer.seek(0)
+        result = json.loads(answer.read())
     return tuple(result) if isinstance(result, list) else result
 
 
@@ -471,36 +470,183 @@ def test_a_symlink_swapped_in_during_open_never_lets_the_target_write_outside(sc
 # --------------------------------------------------------------------------- control plane
 
 
-def test_a_control_socket_directory_another_user_made_first_is_refused(scratch: Path) -> None:
-    """For a user, the socket directory is under $XDG_RUNTIME_DIR (else /tmp), where another
-    user may have made it first: neither a client nor a mount uses it then."""
+TMP_SOCKETS = Path(f"/tmp/rpmemfs-{NOBODY}")  # nobody's socket directory when it has no runtime one
+RUN_USER = Path(f"/run/user/{NOBODY}")
+
+
+@pytest.fixture
+def tmp_sockets() -> Iterator[Path]:
+    """/tmp/rpmemfs-NOBODY, absent at the start (the test may plant it) and removed after."""
+    if os.path.lexists(TMP_SOCKETS):
+        pytest.skip(f"{TMP_SOCKETS} exists already: this test must make it itself")
+    yield TMP_SOCKETS
+    shutil.rmtree(TMP_SOCKETS, ignore_errors=True)
+
+
+@pytest.fixture
+def run_user() -> Iterator[Path]:
+    """/run/user/NOBODY as logind makes it for a session, absent until the test makes it."""
+    if os.path.lexists(RUN_USER):
+        pytest.skip(f"{RUN_USER} exists already: this test must make it itself")
+    if not RUN_USER.parent.is_dir():
+        pytest.skip(f"no {RUN_USER.parent} on this host")
+    yield RUN_USER
+    shutil.rmtree(RUN_USER, ignore_errors=True)
+
+
+def _make_run_user() -> None:
+    RUN_USER.mkdir(mode=0o700)
+    os.chown(RUN_USER, NOBODY, NOBODY)
+
+
+def _plant(path: Path) -> None:
+    """``path`` made first by root, open to all, as another user could make it."""
+    path.mkdir(mode=0o777)
+    path.chmod(0o777)
+
+
+def test_a_control_socket_directory_another_user_made_first_is_refused(
+        scratch: Path, tmp_sockets: Path) -> None:
+    """With no runtime directory of its own, a user's socket directory is /tmp/rpmemfs-UID,
+    where another user may have made it first: neither a client nor a mount uses it then. An
+    XDG_RUNTIME_DIR that is not the user's (left by su, or shared) is not used either."""
     scratch.chmod(0o711)
-    runtime = scratch / "runtime"
-    runtime.mkdir(mode=0o777)
-    runtime.chmod(0o1777)
-    planted = runtime / f"rpmemfs-{NOBODY}"
-    planted.mkdir(mode=0o777)  # root's, not nobody's
-    planted.chmod(0o777)
+    shared = scratch / "runtime"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    _plant(tmp_sockets)
 
     def ask() -> Any:
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        os.environ["XDG_RUNTIME_DIR"] = str(shared)
         return control.query(str(scratch))
 
     got = run_as_nobody(ask)
-    assert got[0] == "raised" and "ControlDirError" in got[1] and "belongs to uid 0" in got[1], got
+    assert got[0] == "raised" and "ControlDirError" in got[1], got
+    assert f"{tmp_sockets} belongs to uid 0 (root)" in got[1], got
 
     def serve() -> Any:
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        os.environ["XDG_RUNTIME_DIR"] = str(shared)
         return trio.run(control.serve, control.socket_path(str(scratch)), {})
 
     got = run_as_nobody(serve)
     assert got[0] == "raised" and "someone else made it first" in got[1], got
+    assert not os.path.lexists(shared / "rpmemfs") and not os.path.lexists(shared / f"rpmemfs-{NOBODY}")
     # Root's own directory open to others is refused as well.
     mine = scratch / "mine"
     mine.mkdir()
     mine.chmod(0o755)
     with pytest.raises(control.ControlDirError, match="mode 0755"):
         control.check_socket_dir(str(mine))
+
+
+def _import_everything() -> None:
+    """Import what a mount and the commands use, while this process may still read the
+    interpreter's library (user nobody may not: it is under /root)."""
+    import importlib
+    import pkgutil
+
+    import rpmemfs
+
+    for m in pkgutil.walk_packages(rpmemfs.__path__, "rpmemfs."):
+        if m.name.startswith("rpmemfs.tools") or m.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(m.name)
+        except ImportError:
+            pass  # (RDMA's modules, without pyverbs)
+
+
+def rpmemfs_as_nobody(*argv: str | Path, runtime: str | Path | None) -> tuple[int, str]:
+    """`rpmemfs ARGV` run by user nobody with XDG_RUNTIME_DIR=``runtime`` (unset for None):
+    its exit status and what it wrote on stderr."""
+    import contextlib
+    import io
+
+    from rpmemfs.cli import main
+
+    _import_everything()
+
+    def run() -> Any:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+        if runtime is not None:
+            os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main([os.fspath(a) for a in argv])
+        return [code, err.getvalue()]
+
+    got = run_as_nobody(run)
+    assert got[0] != "raised", got
+    return int(got[0]), str(got[1])
+
+
+@pytest.fixture
+def nobodys_pool(scratch: Path) -> Iterator[tuple[Path, Path]]:
+    """(a pool of user nobody's, a mount point of nobody's); mounts left are detached."""
+    scratch.chmod(0o711)
+    pool, mnt = scratch / "p.pool", scratch / "mnt"
+    assert cli("mkfs", pool, "--size", "8M").returncode == 0
+    mnt.mkdir()
+    for path in (pool, mnt):
+        os.chown(path, NOBODY, NOBODY)
+    yield pool, mnt
+    detach_all_under(scratch)
+
+
+def _socket_in(directory: Path) -> bool:
+    return directory.is_dir() and any(p.suffix == ".sock" for p in directory.iterdir())
+
+
+def test_a_users_mount_takes_its_runtime_directory_when_tmp_is_taken(
+        scratch: Path, nobodys_pool: tuple[Path, Path], tmp_sockets: Path, run_user: Path) -> None:
+    """Another user made /tmp/rpmemfs-UID first: with neither XDG_RUNTIME_DIR nor /run/user/UID
+    the mount is refused in one line that names who and what to do; with either of them it
+    mounts there, and status and umount find it."""
+    pool, mnt = nobodys_pool
+    _plant(tmp_sockets)
+    shared = scratch / "shared"  # an XDG_RUNTIME_DIR that is not nobody's: passed over
+    shared.mkdir()
+    shared.chmod(0o1777)
+    for runtime in (None, shared):
+        code, err = rpmemfs_as_nobody("mount", pool, mnt, runtime=runtime)
+        assert code == 1, err
+        assert err.count("\n") == 1 and err.startswith("rpmemfs: "), err
+        assert f"{tmp_sockets} belongs to uid 0 (root), not to this user (uid {NOBODY})" in err, err
+        assert "set XDG_RUNTIME_DIR to a directory of yours with mode 0700" in err, err
+    assert not os.path.ismount(mnt) and os.listdir(shared) == []
+
+    runtime = scratch / "runtime"
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, NOBODY, NOBODY)
+    _make_run_user()
+    for env, where in ((runtime, runtime / "rpmemfs"), (None, run_user / "rpmemfs"),
+                       (shared, run_user / "rpmemfs")):
+        code, err = rpmemfs_as_nobody("mount", pool, mnt, runtime=env)
+        assert code == 0, err
+        # (the daemon binds its socket just after it says it is mounted)
+        assert wait_until(lambda where=where: _socket_in(where)), list(where.parent.iterdir())
+        code, err = rpmemfs_as_nobody("status", mnt, runtime=env)
+        assert code == 0, err
+        code, err = rpmemfs_as_nobody("umount", mnt, runtime=env)
+        assert code == 0, err
+        assert not os.path.ismount(mnt) and not _socket_in(where)
+    assert os.listdir(tmp_sockets) == []
+
+
+def test_status_finds_a_mount_started_before_the_users_runtime_directory_was_there(
+        nobodys_pool: tuple[Path, Path], tmp_sockets: Path, run_user: Path) -> None:
+    """Mounted at boot or from cron (no session: /tmp/rpmemfs-UID), asked from a session
+    later (/run/user/UID now there, and preferred for new mounts): status and umount find it."""
+    pool, mnt = nobodys_pool
+    code, err = rpmemfs_as_nobody("mount", pool, mnt, runtime=None)
+    assert code == 0, err
+    assert wait_until(lambda: _socket_in(tmp_sockets))
+    _make_run_user()
+    code, err = rpmemfs_as_nobody("status", mnt, runtime=run_user)
+    assert code == 0, err
+    code, err = rpmemfs_as_nobody("umount", mnt, runtime=run_user)
+    assert code == 0, err
+    assert not os.path.ismount(mnt) and not _socket_in(tmp_sockets)
 
 
 def test_verify_clients_killed_at_random_moments_leave_the_mount_serving(

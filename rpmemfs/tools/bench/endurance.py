@@ -26,6 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from rpmemfs import safeopen
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.bench.workloads import fork_fsync_writers
 from rpmemfs.tools.processes import MountProcess, TargetProcess, run_rpmemfs
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     text = json.dumps(result, indent=1)
     if args.json:
-        args.json.write_text(text + "\n")
+        safeopen.write_text(args.json, text + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "memory"}
                      | ({"memory": {k: v for k, v in result["memory"].items() if k != "samples"}}
                         if "memory" in result else {})))

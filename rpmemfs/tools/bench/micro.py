@@ -35,6 +35,7 @@ from pathlib import Path
 
 import trio
 
+from rpmemfs import safeopen
 from rpmemfs.cliparse import ArgumentParser
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.keep, args.protection)
     print(render(result), flush=True)
     if args.json_path is not None:
-        args.json_path.write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")
+        safeopen.write_text(args.json_path, json.dumps(asdict(result), indent=2) + "\n")
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rpmemfs import safeopen
 from rpmemfs.tools.bench.machine import one_line
 from rpmemfs.tools.bench.results import Outcome, RunResult
 from rpmemfs.tools.bench.stats import Metric
@@ -231,5 +232,4 @@ def as_json(run: RunResult) -> dict[str, object]:
 
 
 def write_json(run: RunResult, path: Path) -> None:
-    path.write_text(json.dumps(as_json(run), indent=2, ensure_ascii=False) + "\n",
-                    encoding="utf-8")
+    safeopen.write_text(path, json.dumps(as_json(run), indent=2, ensure_ascii=False) + "\n")

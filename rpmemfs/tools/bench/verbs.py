@@ -37,6 +37,7 @@ from typing import Any
 
 import trio
 
+from rpmemfs import safeopen
 from rpmemfs.native import ffi
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.processes import TargetProcess
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             results["flush"]["1x4K"]["p50_us"] / floor, 2)
     print(json.dumps(results, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        safeopen.write_text(args.json, json.dumps(results, indent=2) + "\n")
     return 0
 
 
