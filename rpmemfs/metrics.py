@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from rpmemfs.latency import BOUNDS_S, Snapshot
 from rpmemfs.metrics_endpoint import MetricsEndpoint
 from rpmemfs.mountd.status import health as mount_health
+from rpmemfs.transport.base import FLUSHES
 
 log = logging.getLogger("rpmemfs.metrics")
 
@@ -127,6 +128,10 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
     labels = ["replica"]
     state = GaugeMetricFamily("rpmemfs_replica_state", "1 for the replica's current state",
                               labels=["replica", "state"])
+    flush = GaugeMetricFamily("rpmemfs_replica_flush", "1 for the flush the replica's barriers end "
+                              "with (a native RDMA FLUSH of the persistent or the global-visibility "
+                              "type, the appliance READ, the general-purpose SEND)",
+                              labels=["replica", "flush"])
     in_sync = GaugeMetricFamily("rpmemfs_replica_in_sync", "1 when the replica takes every barrier",
                                 labels=labels)
     lag = GaugeMetricFamily("rpmemfs_replica_lag_bytes", "bytes the replica misses (NaN: unknown "
@@ -148,6 +153,8 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         v = [f"{r['address']}/{r['name']}"]
         for s in REPLICA_STATES:
             state.add_metric([v[0], s], 1.0 if r.get("state") == s else 0.0)
+        for f in FLUSHES:
+            flush.add_metric([v[0], f], 1.0 if r.get("flush") == f else 0.0)
         in_sync.add_metric(v, 1.0 if r.get("state") == "in-sync" else 0.0)
         lb = r.get("lag_bytes")
         lag.add_metric(v, float(lb) if isinstance(lb, int) else math.nan)
@@ -162,7 +169,7 @@ def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
         hist = st["replica_histograms"].get(v[0])
         if hist is not None:
             _add_histogram(latency, v, hist)
-    yield from (state, in_sync, lag, lag_s, behind, sent, barriers, resyncs, progress, latency)
+    yield from (state, flush, in_sync, lag, lag_s, behind, sent, barriers, resyncs, progress, latency)
 
 
 def target_families(st: dict[str, Any]) -> Iterator[Metric]:

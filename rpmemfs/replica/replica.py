@@ -18,6 +18,7 @@ import trio
 from rpmemfs.latency import Histogram
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import (
+    Flush,
     Lane,
     LocalPool,
     Method,
@@ -89,6 +90,7 @@ class Replica:
         self.region: RemoteRegion | None = None
         self.state: ReplicaState = CONNECTING  # changed only by move()
         self.method: Method | None = None
+        self.flush: Flush | None = None  # what its barriers end with (status and metrics say)
         self.barriers = 0
         self.writes = 0
         self.flushes = 0
@@ -121,6 +123,7 @@ class Replica:
         self.session = session
         self.region = region
         self.method = region.method
+        self.flush = region.flush
         self.lanes = list(session.lanes)
         if not self.lanes:
             self.fail("the session has no lanes")
@@ -251,6 +254,7 @@ class Replica:
                           else self.spec.transport),
             "state": self.state.value,
             "method": self.method,
+            "flush": self.flush,
             "lanes": len(self.lanes),
             "slot": self.slot,
             "resyncs": self.resyncs,

@@ -32,6 +32,7 @@ import trio
 from rpmemfs.native import ffi
 from rpmemfs.target.pools import merge_ranges
 from rpmemfs.target.sessions import SessionTable, TargetSession
+from rpmemfs.transport.wire import NATIVE_FLUSHES, REGION_FLUSH_TYPES
 
 log = logging.getLogger("rpmemfs.target.verbs")
 
@@ -76,8 +77,11 @@ class VerbsService:
         self._ctx = ctx
         self.device = rdma.device_name(listen_id)
         # Pools are registered for native RDMA FLUSH too where pyverbs and the device have it
-        # (0 elsewhere: Linux 6.1 refuses the access flag).
+        # (0 elsewhere: Linux 6.1 refuses the access flag); pools on persistent memory for
+        # FLUSH of the persistent type as well, where the device grants it (see register).
         self.flush_access = rdma.flush_access(ctx)
+        self.persistent_access = rdma.persistent_access(ctx)
+        self._told: set[tuple[str, tuple[str, ...]]] = set()  # registrations whose outcome was logged
         self._state: dict[bytes, _SessionVerbs] = {}
         self._nursery: trio.Nursery | None = None
         self.spin_s = spin_s  # how long a lane polls after a request before it sleeps
@@ -116,7 +120,8 @@ class VerbsService:
             return None
         service = cls(rdma, host, port, sessions, control, events, listen_id, ctx, spin_s)
         log.info("verbs: serving on %s port %d (device %s%s)", host, port, service.device,
-                 ", native FLUSH" if service.flush_access else "")
+                 ", native FLUSH" + (" (persistent type on pmem)" if service.persistent_access else "")
+                 if service.flush_access else "")
         return service
 
     # --- control plane ----------------------------------------------------------------------
@@ -138,9 +143,37 @@ class VerbsService:
         rdma = self._rdma
         # A reader of a pool another initiator claimed gets no remote write access (fencing).
         access = rdma.POOL_ACCESS if region.writable else rdma.READ_ACCESS
-        mr = rdma.MR(state.pd, region.size, access | self.flush_access, address=addr)
+        # The strongest FLUSH the kernel grants this memory: rxe refuses the persistent type
+        # (EINVAL) unless every page is persistent memory, so ask, then step down.
+        tries: list[tuple[int, tuple[str, ...]]] = []
+        if self.persistent_access and region.pool.mapping.is_pmem:
+            tries.append((self.flush_access | self.persistent_access, NATIVE_FLUSHES))
+        if self.flush_access:
+            tries.append((self.flush_access, NATIVE_FLUSHES[1:]))
+        tries.append((0, ()))
+        refused: list[str] = []
+        for extra, types in tries:
+            try:
+                mr = rdma.MR(state.pd, region.size, access | extra, address=addr)
+            except rdma.PyverbsError as exc:
+                if extra == 0:
+                    raise
+                refused.append(f"FLUSH {' and '.join(types)} refused ({exc})")
+                continue
+            break
+        self._tell(region.pool.name, types, refused)
         state.mrs[key] = mr
-        return {"rkey": mr.rkey, "addr": addr}
+        return {"rkey": mr.rkey, "addr": addr, REGION_FLUSH_TYPES: list(types)}
+
+    def _tell(self, pool: str, types: tuple[str, ...], refused: list[str]) -> None:
+        """Log once per pool and outcome which FLUSH types its registration allows, and what
+        was refused on the way (each open registers the pool again, the same way)."""
+        if (pool, types) in self._told:
+            return
+        self._told.add((pool, types))
+        got = f"FLUSH {' and '.join(types)}" if types else "no native FLUSH"
+        log.info("verbs: pool %s registered with %s%s", pool, got,
+                 f" ({'; '.join(refused)})" if refused else "")
 
     def unregistered(self, session: TargetSession, key: int) -> None:
         """Before the pool behind ``key`` may be unmapped: no remote access to it any more."""
@@ -228,7 +261,8 @@ class VerbsService:
                 raise Violation("connect request for no live session with rdma enabled")
             peer = session.peer
             qp = rdma.QueuePair(cmid, self._ctx, state.pd, send_depth=2 * rdma.CREDITS,
-                                recv_depth=rdma.CREDITS)
+                                recv_depth=rdma.CREDITS,
+                                qp_access=self.flush_access | self.persistent_access)
         except (Violation, rdma.PyverbsError, rdma.VerbsError) as exc:
             log.warning("verbs: refused a queue pair from %s: %s", peer, exc)
             try:

@@ -23,6 +23,11 @@ BytesLike = bytes | bytearray | memoryview
 # which a verbs session picks for an appliance target where both ends have it.
 Method = Literal["apm", "gpspm", "flush"]
 METHODS: tuple[Method, ...] = ("apm", "gpspm")
+# What a barrier's flush is, as status and metrics name it: a native RDMA FLUSH of the
+# persistent type (the data is in the target's persistence domain when it completes) or of the
+# global-visibility type, the appliance method's 8-byte READ, or the general-purpose SEND.
+Flush = Literal["persistent", "visibility", "read", "send"]
+FLUSHES: tuple[Flush, ...] = ("persistent", "visibility", "read", "send")
 DEFAULT_TIMEOUT = 10.0
 
 
@@ -55,6 +60,18 @@ class RemoteRegion:
     # Verbs only: the pool's memory region on the target (its rkey and virtual address).
     rkey: int = 0
     raddr: int = 0
+    # Method "flush" only: the type of native FLUSH its barriers post (else: the method's).
+    native: Flush = "visibility"
+
+    @property
+    def flush(self) -> Flush:
+        """What a barrier of this region's method ends with."""
+        return flush_of(self.method, self.native)
+
+
+def flush_of(method: Method, native: Flush = "visibility") -> Flush:
+    """The flush a barrier of ``method`` ends with (``native``: the FLUSH type, for "flush")."""
+    return native if method == "flush" else "read" if method == "apm" else "send"
 
 
 @dataclass

@@ -57,6 +57,10 @@ FLUSH_ACCESS = getattr(e, "IBV_ACCESS_FLUSH_GLOBAL", 0)  # rdma-core 45+; absent
 # rdma-core names nowhere; rxe sets it from Linux 6.2 on. A kernel without it refuses an MR
 # with IBV_ACCESS_FLUSH_GLOBAL (EINVAL, measured on 6.1), so the flag is used only where set.
 DEVICE_FLUSH_GLOBAL = 1 << 38
+# FLUSH to the persistence domain: rxe grants it (Linux 6.2+, bit 39) only to registrations of
+# persistent memory (rxe_mr.c checks every page lies in a persistent-memory resource).
+FLUSH_PERSISTENT_ACCESS = getattr(e, "IBV_ACCESS_FLUSH_PERSISTENT", 0)
+DEVICE_FLUSH_PERSISTENT = 1 << 39
 
 # --- messages --------------------------------------------------------------------------------
 # In rdmacm private data (at most 56 bytes with a connect, 196 with an accept):
@@ -101,16 +105,27 @@ def qpex_has_flush() -> bool:
     return bool(FLUSH_ACCESS) and hasattr(e, "IBV_QP_EX_WITH_FLUSH") and hasattr(QPEx, "wr_flush")
 
 
+def _device_caps(ctx: Context) -> int:
+    try:
+        return int(ctx.query_device_ex().device_cap_flags_ex)
+    except PyverbsError:
+        return 0
+
+
 def flush_access(ctx: Context) -> int:
     """IBV_ACCESS_FLUSH_GLOBAL when both this pyverbs and the device have native RDMA FLUSH,
     else 0: the access flags to add to a pool's registration."""
     if not FLUSH_ACCESS:
         return 0
-    try:
-        caps = ctx.query_device_ex().device_cap_flags_ex
-    except PyverbsError:
+    return FLUSH_ACCESS if _device_caps(ctx) & DEVICE_FLUSH_GLOBAL else 0
+
+
+def persistent_access(ctx: Context) -> int:
+    """IBV_ACCESS_FLUSH_PERSISTENT when this pyverbs names it and the device has FLUSH of the
+    persistent type (and of the global one, which every FLUSH needs here), else 0."""
+    if not (FLUSH_PERSISTENT_ACCESS and flush_access(ctx)):
         return 0
-    return FLUSH_ACCESS if caps & DEVICE_FLUSH_GLOBAL else 0
+    return FLUSH_PERSISTENT_ACCESS if _device_caps(ctx) & DEVICE_FLUSH_PERSISTENT else 0
 
 
 # --- descriptors -----------------------------------------------------------------------------
@@ -228,10 +243,13 @@ class QueuePair:
     PyverbsError where the provider refuses.
     """
 
+    qp_access = 0  # access flags added to rdmacm's at INIT (a subclass's own __init__ keeps it)
+
     def __init__(self, cmid: CMID, ctx: Context, pd: PD, *, send_depth: int, recv_depth: int,
-                 flush: bool = False) -> None:
+                 flush: bool = False, qp_access: int = 0) -> None:
         self.cmid = cmid
         self.extended = flush
+        self.qp_access = qp_access
         self.channel, self.fd = with_new_fd(lambda: CompChannel(ctx), "infinibandevent")
         try:
             self.cq = CQ(ctx, send_depth + recv_depth + 2, None, self.channel, 0)
@@ -257,6 +275,10 @@ class QueuePair:
 
     def to_state(self, state: int) -> None:
         attr, mask = self.cmid.init_qp_attr(state)
+        if state == e.IBV_QPS_INIT and self.qp_access:
+            # rxe's responder checks the queue pair's access flags for each FLUSH type too
+            # (check_qp_attr_access), and rdmacm's INIT attributes name no FLUSH type.
+            attr.qp_access_flags = attr.qp_access_flags | self.qp_access
         self.qp.modify(attr, mask)
 
     def to_error(self) -> None:
@@ -306,8 +328,9 @@ class QueuePair:
                 # IBV_SEND_INLINE stays in the flags: rxe's wr_set_inline_data (rdma-core 59)
                 # copies the data but does not set it, and without it the kernel ignores the data.
                 qp.wr_flags = flags
-                if kind == "flush":
-                    qp.wr_flush(rkey, raddr, length, e.IBV_FLUSH_GLOBAL, e.IBV_FLUSH_RANGE)
+                if kind in ("flush", "pflush"):
+                    ftype = e.IBV_FLUSH_PERSISTENT if kind == "pflush" else e.IBV_FLUSH_GLOBAL
+                    qp.wr_flush(rkey, raddr, length, ftype, e.IBV_FLUSH_RANGE)
                     continue
                 if kind == "write":
                     qp.wr_rdma_write(rkey, raddr)
@@ -358,12 +381,13 @@ def _wr(desc: tuple[str, int, int, int, int, int], **kwargs: Any) -> SendWR:
     return wr
 
 
-def flush_wr(wr_id: int, rkey: int, raddr: int, length: int) -> SendWR:
-    """A signaled native RDMA FLUSH (global visibility) of remote [raddr, raddr+length); only an
-    extended queue pair (``QueuePair(flush=True)``) can post it."""
+def flush_wr(wr_id: int, rkey: int, raddr: int, length: int, persistent: bool = False) -> SendWR:
+    """A signaled native RDMA FLUSH of remote [raddr, raddr+length), of the global-visibility
+    type or (``persistent``) the persistent one; only an extended queue pair
+    (``QueuePair(flush=True)``) can post it."""
     # pyverbs wants an SGE in every SendWR; this one is never posted with ibv_post_send.
-    return _wr(("flush", 0, length, 0, rkey, raddr), wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1,
-               sg=[SGE(0, 0, 0)], send_flags=e.IBV_SEND_SIGNALED)
+    return _wr(("pflush" if persistent else "flush", 0, length, 0, rkey, raddr), wr_id=wr_id,
+               opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[SGE(0, 0, 0)], send_flags=e.IBV_SEND_SIGNALED)
 
 
 def aim_flush(wr: SendWR, wr_id: int, raddr: int, length: int) -> None:

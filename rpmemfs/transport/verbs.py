@@ -15,8 +15,10 @@ flush: a signaled 8-byte RDMA READ (appliance method: the responder answers it o
 every earlier WRITE on the queue pair is placed) or a SEND of the whole range list, which the
 target persists and answers with a SEND (general-purpose method); for an appliance target
 whose lanes can all post it (rdma-core 45+ and Linux 6.2+ at both ends: method "flush"), a
-signaled native RDMA FLUSH (IBV_FLUSH_GLOBAL) of the written span instead of the READ,
-posted through an extended queue pair. One completion
+signaled native RDMA FLUSH of the written span instead of the READ, posted through an
+extended queue pair: of the persistent type (IBV_FLUSH_PERSISTENT) where the pool's
+registration allows it (the target says so per pool: persistent memory on a device that
+grants it) and this end's device has it, else of the global-visibility type. One completion
 is awaited per barrier: the READ's, the FLUSH's, or the reply's receive. Waiting is trio
 waiting for the completion channel's descriptor, after a short busy poll of the completion
 queue.
@@ -47,6 +49,7 @@ from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.base import (
     DEFAULT_TIMEOUT,
     BytesLike,
+    Flush,
     Lane,
     LaneStats,
     LocalPool,
@@ -65,7 +68,7 @@ from rpmemfs.transport.base import (
 from rpmemfs.transport.tcp import TcpSession
 from rpmemfs.transport.tcp import connect as tcp_connect
 from rpmemfs.transport.verbs_config import VerbsSettings
-from rpmemfs.transport.wire import ATOMIC_SIZE, FLUSH_READ_SIZE
+from rpmemfs.transport.wire import ATOMIC_SIZE, FLUSH_READ_SIZE, REGION_FLUSH_TYPES
 
 log = logging.getLogger("rpmemfs.transport.verbs")
 
@@ -426,6 +429,7 @@ class VerbsLane:
             if not self._qp.extended:
                 raise TransportError(self.peer, "no native RDMA FLUSH on this lane (it needs rdma-core 45+ "
                                      "and Linux 6.2+ at both ends)")
+            persistent = region.native == "persistent"
             spans = [(off, n) for off, n in ranges if n] or [(0, min(FLUSH_READ_SIZE, region.size))]
             start = min(off for off, _ in spans)
             end = max(off + n for off, n in spans)
@@ -435,13 +439,14 @@ class VerbsLane:
                 # (building a pyverbs work request costs more than posting it).
                 flush = self._flush_wrs.get(region.key)
                 if flush is None:
-                    flush = self._flush_wrs[region.key] = rdma.flush_wr(0, region.rkey, region.raddr, 8)
+                    flush = self._flush_wrs[region.key] = rdma.flush_wr(0, region.rkey, region.raddr, 8,
+                                                                        persistent)
                 rdma.aim_flush(flush, self._wr_id(), region.raddr + start, end - start)
                 ticket.end_wr = flush.wr_id
                 self._post([*wrs, flush], ticket)
             else:
                 flushes = [rdma.flush_wr(self._wr_id(), region.rkey, region.raddr + pos,
-                                         min(rdma.MAX_RDMA, end - pos))
+                                         min(rdma.MAX_RDMA, end - pos), persistent)
                            for pos in range(start, end, rdma.MAX_RDMA)]
                 for wr in flushes[:-1]:
                     wr.send_flags = 0  # completions come in order: the last one's says all
@@ -630,6 +635,7 @@ class VerbsSession:
         self._pd: Any = None
         self._local: _LocalRegions | None = None
         self._credits = int(info.get("credits", rdma.CREDITS))
+        self._persistent = False  # whether this end's device posts FLUSH of the persistent type
 
     async def _expect(self, events: rdma.EventChannel, kind: int, what: str) -> rdma.Event:
         with trio.move_on_after(self.timeout):
@@ -663,6 +669,7 @@ class VerbsSession:
                 self._pd = rdma.PD(self._ctx)
                 self._local = _LocalRegions(self._pd)
                 self.device = dev
+                self._persistent = bool(rdma.persistent_access(self._ctx))
             elif dev != self.device:
                 raise TransportError(self.peer, f"lanes of one session on two devices ({self.device}, {dev})")
             qp = None
@@ -706,15 +713,31 @@ class VerbsSession:
         every lane can post one (both ends have it, and the settings allow it)."""
         return bool(self.lanes) and all(lane.native_flush for lane in self.lanes)
 
+    def _native(self, raw: dict[str, Any]) -> Flush | None:
+        """The strongest native FLUSH both ends allow for a pool the target just registered,
+        or None (the READ)."""
+        if not self.native_flush:
+            return None
+        types = raw.get(REGION_FLUSH_TYPES)
+        if types is None:  # a target older than the field: what its "rdma" reply said
+            types = ["visibility"] if self.info.get("flush") else []
+        if not isinstance(types, list):
+            raise TransportError(self.peer, f"the target sent {REGION_FLUSH_TYPES} {types!r}, not a list")
+        if "persistent" in types and self._persistent:
+            return "persistent"
+        return "visibility" if "visibility" in types else None
+
     def _region(self, reply: RemoteRegion, raw: dict[str, Any]) -> RemoteRegion:
         method = reply.method
-        if method == "apm" and self.native_flush:
-            # FLUSH of global visibility is the appliance guarantee (placed, ordered after the
-            # writes) as the operation made for it, where the device reports it.
+        native = self._native(raw) if method == "apm" else None
+        if native is not None:
+            # A FLUSH of global visibility is the appliance guarantee (placed, ordered after
+            # the writes) as the operation made for it; of the persistent type, more: the
+            # writes are in the target's persistence domain when it completes.
             method = "flush"
         try:
             return RemoteRegion(reply.name, reply.key, reply.size, reply.uuid, method, reply.pmem,
-                                rkey=int(raw["rkey"]), raddr=int(raw["addr"]))
+                                rkey=int(raw["rkey"]), raddr=int(raw["addr"]), native=native or "visibility")
         except (KeyError, TypeError, ValueError):
             raise TransportError(self.peer, "the target registered the pool without an rkey") from None
 

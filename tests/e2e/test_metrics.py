@@ -358,3 +358,27 @@ def test_metrics_over_tls_are_read_only_with_a_client_certificate(work_dir: Path
             proc.terminate()
             proc.wait(timeout=30)
         t.close()
+
+
+def test_status_and_metrics_say_which_flush_each_replicas_barriers_end_with(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """Over tcp:// a barrier to an appliance-method target ends with its 8-byte READ, one to a
+    general-purpose target with the SEND of its ranges: status --json and the metrics say so
+    per replica, beside the method each target declared."""
+    pool = work_dir / "app.pool"
+    res = cli("mkfs", pool, "--size", "64M", *(a for t in targets for a in ("--replica", f"{t.address}/app")))
+    assert res.returncode == 0, res.stderr
+    port = _free_port()
+    m = mount_pool(pool, options=f"pmem=force,metrics=127.0.0.1:{port}")
+    write_fsync(m.path / "f", os.urandom(5000))
+    res = cli("status", m.path, "--json")
+    assert res.returncode == 0, res.stderr
+    reps = json.loads(res.stdout)["replicas"]
+    got = {r["address"]: (r["transport"], r["method"], r["flush"]) for r in reps}
+    apm, gpspm = (t.address for t in targets)  # conftest: the first declares apm
+    assert got == {apm: ("tcp", "apm", "read"), gpspm: ("tcp", "gpspm", "send")}, got
+    text = _scrape(port)
+    for address, flush in ((apm, "read"), (gpspm, "send")):
+        for kind in ("persistent", "visibility", "read", "send"):
+            want = 1 if kind == flush else 0
+            assert _value(text, "rpmemfs_replica_flush", replica=f"{address}/app", flush=kind) == want

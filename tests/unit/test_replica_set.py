@@ -129,6 +129,7 @@ def test_barrier_places_exactly_the_ranges_on_every_replica() -> None:
         assert [r["barriers"] for r in st] == [1, 1, 1]
         assert [r["bytes"] for r in st] == [5310] * 3
         assert [r["method"] for r in st] == ["apm", "gpspm", "gpspm"]
+        assert [r["flush"] for r in st] == ["read", "send", "send"]  # what each barrier ended with
         # An empty barrier reaches nobody.
         marks = [len(t.ops) for t in rig.targets]
         await rs.barrier([])

@@ -109,7 +109,7 @@ def test_targets_on_dax_replicate_over_tcp_and_say_why_not_over_verbs(
         assert st["pmem_mode"] == "dax" and st["persists"]["msync"] == 0, st
         rep = st["replicas"][0]
         assert rep["state"] == "in-sync" and rep["transport"] == scheme, rep
-        assert rep["method"] in ("apm", "flush"), rep  # flush: a native RDMA FLUSH (6.12 stack)
+        assert rep["method"] == "apm" and rep["flush"] == "read", rep  # over tcp:// only
         assert rep["flushes"] == rep["barriers"] >= len(payloads), rep
         mount.unmount()
         assert pool_content(replica_file(t, "app")) == pool_content(pool)

@@ -8,7 +8,9 @@ clean; grow stops at the end of the device; a device in use is refused.
 
 A target serves a pool on the other device (--pool-dev), over verbs: the kernel registers a
 device DAX mapping for RDMA (it refuses file-system DAX, tests/verbs/test_dax.py), and the
-target declares the appliance method for it by itself.
+target declares the appliance method for it by itself. Where the stack has native RDMA FLUSH
+(Linux 6.12, pyverbs 59) the target registers the device for FLUSH of the persistent type and
+the primary's barriers end with one; on the 6.1 stack with the appliance method's READ.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ from helpers import Mount, assert_check_clean, assert_clean_error, cli, describe
 from rpmemfs.devdax import probe
 from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport.choose import rdma_devices
+
+
+def native_flush() -> bool:
+    """Whether this stack posts native RDMA FLUSH (as test_verbs_mount tells the stacks apart)."""
+    from test_verbs_mount import native_flush as both_ends_have_it
+
+    return both_ends_have_it()
 
 DEVS = [d for d in os.environ.get("RPMEMFS_DAX_DEVS", "").split(",") if d]
 IP_A = os.environ.get("RXE_IP_A", "")
@@ -144,7 +153,7 @@ def test_a_target_serves_a_pool_on_device_dax_over_verbs(work: Path, monkeypatch
         assert res.returncode == 2, describe(res)
         res = cli("mkfs", primary, "--force", "--token-file", token, "--replica",
                   f"rdma://{t.address}/app", timeout=600)
-        assert res.returncode == 0, describe(res)
+        assert res.returncode == 0, describe(res) + t.log_text()
         res = cli("pools", t.address, "--json", "--token-file", token, timeout=300)
         assert res.returncode == 0, describe(res)
         assert json.loads(res.stdout)["app"]["size"] == info.size
@@ -156,13 +165,20 @@ def test_a_target_serves_a_pool_on_device_dax_over_verbs(work: Path, monkeypatch
         st = status_json(m.path)
         assert st["pmem_mode"] == "devdax" and st["persists"]["msync"] == 0, st
         rep = st["replicas"][0]
-        assert rep["state"] == "in-sync" and rep["transport"] == "rdma", rep
-        assert rep["method"] in ("apm", "flush"), rep  # flush: a native RDMA FLUSH (6.12 stack)
+        assert rep["state"] == "in-sync" and rep["transport"] == "rdma", (rep, t.log_text())
+        # Where both ends have native FLUSH (the 6.12 stack), the target registers the device
+        # DAX mapping for FLUSH of the persistent type, and each barrier ends with one; on
+        # the 6.1 stack with apm's READ.
+        native = native_flush()
+        assert rep["method"] == ("flush" if native else "apm"), (rep, t.log_text())
+        assert rep["flush"] == ("persistent" if native else "read"), (rep, t.log_text())
         assert rep["flushes"] == rep["barriers"] >= len(data), rep
         m.kill9()
         assert_check_clean(Path(primary))
         log = t.log_text()
         assert f"pool app mapped ({info.size} bytes of device DAX {replica})" in log, log
+        if native:
+            assert "pool app registered with FLUSH persistent and visibility\"" in log, log
         t.close()
         # The replica's device, with the target gone, is a pool of its own: clean, and mounted
         # alone it holds every file fsync'ed before the kill.

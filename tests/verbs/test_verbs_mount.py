@@ -82,6 +82,12 @@ def test_mount_replicates_over_verbs(work: Path, monkeypatch: pytest.MonkeyPatch
         assert [r["state"] for r in reps] == ["in-sync", "in-sync"], reps
         # The appliance target's flush is a native RDMA FLUSH where both ends have it.
         assert {r["method"] for r in reps} == {"flush" if native_flush() else "apm", "gpspm"}
+        # Of the global-visibility type: the apm target's pools are not persistent memory
+        # (pmem=force on /dev/shm), where rxe refuses a registration for the persistent type.
+        assert {r["flush"] for r in reps} == {"visibility" if native_flush() else "read", "send"}, reps
+        if native_flush():
+            assert ("pool app registered with FLUSH visibility (FLUSH persistent and visibility "
+                    "refused") in targets[0].log_text()
         for r in reps:
             assert r["barriers"] >= len(payloads), r
             assert r["flushes"] == r["barriers"], r  # exactly one flush per barrier
