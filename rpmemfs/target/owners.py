@@ -163,7 +163,7 @@ class OwnerBook:
     def _read(self, name: str) -> Owner | None:
         path = self._record(name)
         try:
-            fd = self.dir.open(path, os.O_RDONLY, what="owner record")
+            raw = self.dir.read_record(path, MAX_RECORD, "owner record")
         except PoolNameError as exc:
             if not os.path.lexists(os.path.join(self.dir.path, path)):
                 return None
@@ -171,10 +171,6 @@ class OwnerBook:
             log.error("owner record of pool %s is refused (%s); falling back to the pool header's epoch",
                       name, exc)
             return None
-        try:
-            raw = os.read(fd, MAX_RECORD + 1)
-        finally:
-            os.close(fd)
         try:
             doc = json.loads(raw)
             epoch = doc["epoch"]
@@ -193,19 +189,9 @@ class OwnerBook:
         """Record ``owner`` durably before returning (write, fsync, rename, fsync the dir); its
         text checked and bounded here, whoever built it, so that the record reads back whole."""
         owner = replace(owner, holder=clean_holder(owner.holder), resync=_resync(owner.resync))
-        path = self._record(name)
-        tmp = f"{path}.tmp"
-        data = json.dumps({"epoch": owner.epoch, "holder": owner.holder, "since": owner.since,
-                           "resync": owner.resync}).encode()
-        self.dir.unlink(tmp, missing_ok=True)  # left by a target that was killed mid-way
-        fd = self.dir.create(tmp, os.O_WRONLY)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.dir.rename(tmp, path)
-        self.dir.sync()
+        self.dir.write_record(self._record(name), json.dumps(
+            {"epoch": owner.epoch, "holder": owner.holder, "since": owner.since,
+             "resync": owner.resync}).encode())
         self._cache[name] = owner
 
     def forget(self, name: str) -> None:

@@ -132,13 +132,9 @@ class PoolDevices:
     def size(self, name: str) -> int | None:
         """The pool's size when it exists, else None."""
         try:
-            fd = self.dir.open(self._record(name), os.O_RDONLY, what="device pool record")
+            raw = self.dir.read_record(self._record(name), MAX_RECORD, "device pool record")
         except PoolNameError:
             return None
-        try:
-            raw = os.read(fd, MAX_RECORD + 1)
-        finally:
-            os.close(fd)
         try:
             size = json.loads(raw)["size"]
             if not isinstance(size, int) or not 0 < size <= self.device(name).size:
@@ -149,17 +145,8 @@ class PoolDevices:
         return size
 
     def _set_size(self, name: str, size: int) -> None:
-        path = self._record(name)
-        tmp = f"{path}.tmp"
-        self.dir.unlink(tmp, missing_ok=True)
-        fd = self.dir.create(tmp, os.O_WRONLY)
-        try:
-            os.write(fd, json.dumps({"size": size, "device": self.device(name).path}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.dir.rename(tmp, path)
-        self.dir.sync()
+        self.dir.write_record(self._record(name),
+                              json.dumps({"size": size, "device": self.device(name).path}).encode())
 
     def names(self) -> list[str]:
         """The device pools that exist."""

@@ -113,5 +113,28 @@ class PoolDir:
         """Make the directory's entries durable (after a create, rename or unlink)."""
         os.fsync(self.fd)
 
+    def read_record(self, name: str, limit: int, what: str) -> bytes:
+        """A small record beside the pools (a file of ours: PoolNameError otherwise), read up
+        to ``limit`` + 1 bytes so that the caller sees one that is too long."""
+        fd = self.open(name, os.O_RDONLY, what=what)
+        try:
+            return os.read(fd, limit + 1)
+        finally:
+            os.close(fd)
+
+    def write_record(self, name: str, data: bytes) -> None:
+        """Replace the record ``name`` durably before returning: write and fsync a new file,
+        rename it over the old one, fsync the directory."""
+        tmp = f"{name}.tmp"
+        self.unlink(tmp, missing_ok=True)  # left by a target that was killed mid-way
+        fd = self.create(tmp, os.O_WRONLY)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.rename(tmp, name)
+        self.sync()
+
     def names(self) -> list[str]:
         return sorted(os.listdir(self.fd))
