@@ -78,16 +78,18 @@ def describe_process(pid: int) -> str:
 
 
 def busy(path: str) -> str | None:
-    """Who has the pool file at ``path`` open (every writer holds an exclusive lock on it, a
-    reader a shared one), described; None when nobody, or when no regular file is there (a
-    link is not followed). What mkfs and recover ask before they replace a pool: one that is
-    mounted, served or read must not lose its name under the process using it."""
+    """Who has the pool file or device DAX at ``path`` open (every writer holds an exclusive
+    lock on it, a reader a shared one), described; None when nobody, or when no regular file
+    or character device is there (a link is not followed). What mkfs, recover and promote ask
+    before they replace a pool: one that is mounted, served or read must not lose its name, or
+    its bytes, under the process using it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -39,13 +39,13 @@ import trio
 from rpmemfs import safeopen
 from rpmemfs.holders import busy
 from rpmemfs.pmem import PmemError, PoolMapping
-from rpmemfs.pool import position
+from rpmemfs.pool import place, position
 from rpmemfs.pool.header import read_header, write_header
 from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
 from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
 from rpmemfs.replica.repair import (
     RepairError,
-    create_file,
+    make_destination,
     mark_others_full,
     read_runs,
     refuse_unfinished,
@@ -85,12 +85,19 @@ def _refuse_destination(pool: str, hdr: Header, force: bool) -> None:
     """Before anything is claimed: a promote that stops at its own destination must not have
     fenced the primary already."""
     try:
-        safeopen.refuse_link(pool)  # --force or not: the pool is written where it is named
-    except OSError as exc:
-        raise RepairError(str(exc)) from None
+        place.refuse_link(pool)  # --force or not: the pool is written where it is named
+        dev = place.device_at(pool)
+    except place.PlaceError as exc:
+        raise RepairError(f"{exc}; nothing was claimed") from None
     if who := busy(pool):
         raise RepairError(f"{pool} is in use ({who}): stop that process before promoting onto it; "
                           "nothing was claimed")
+    if dev is not None and not _same_pool(pool, hdr):
+        try:
+            place.check_device(dev, hdr.pool_size, force)  # fits, and holds no other pool
+        except place.PlaceError as exc:
+            raise RepairError(f"{exc}; nothing was claimed") from None
+        return
     if force or not os.path.lexists(pool) or _same_pool(pool, hdr):
         return
     raise RepairError(f"{pool} exists and is not an older copy of this pool (another pool, or "
@@ -212,12 +219,12 @@ async def _copy(pool: str, hdr: Header, session: Session, region: RemoteRegion, 
     differed before the copy; 0 for a fresh copy)."""
     incremental = os.path.exists(pool) and _same_pool(pool, hdr)
     if not incremental:
-        os.close(create_file(pool, hdr.pool_size, force))
+        make_destination(pool, hdr.pool_size, force)
     try:
         return await _copy_into(pool, hdr, session, region, incremental, progress, timeout)
     except BaseException:
         if not incremental:
-            os.unlink(pool)  # half a pool is no pool: nothing is left to mistake for one
+            place.unmake(pool)  # half a pool is no pool: nothing is left to mistake for one
         raise
 
 
@@ -225,7 +232,8 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
                      progress: Progress | None, timeout: float) -> tuple[int, int, int]:
     limit = hdr.map_off
     chunk = chunk_of(hdr)  # the unit verify and sync count in too
-    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
+    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener,
+                          length=hdr.pool_size) as mapping:
         buf = mapping.buf
         if incremental:
             _, runs = await differing_chunks(session, region, buf, [(0, limit)], chunk,

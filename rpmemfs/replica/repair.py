@@ -11,8 +11,6 @@ since nothing says how far each of them got.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +19,8 @@ from typing import Any
 import trio
 
 from rpmemfs import safeopen
-from rpmemfs.holders import busy
 from rpmemfs.pmem import PoolMapping
+from rpmemfs.pool import place
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
 from rpmemfs.pool.syncmap import SyncMap, format_map
@@ -125,45 +123,13 @@ def refuse_unfinished(probe: Probe, allowed: bool) -> None:
                       "--unfinished-resync takes this copy anyway (run `rpmemfs check` on the result)")
 
 
-def create_file(path: str, size: int, force: bool) -> int:
-    """A new pool file of ``size`` bytes at ``path``; with ``force`` in place of the file
-    there. Never through a link, nor into a file someone else left at the name
-    (rpmemfs/safeopen.py)."""
+def make_destination(path: str, size: int, force: bool) -> None:
+    """Ready ``path`` to take a whole pool of ``size`` bytes: a new pool file (with ``force``
+    in place of the file there), or a device DAX the pool fits on (pool/place.py)."""
     try:
-        safeopen.refuse_link(path)
-    except OSError as exc:
+        place.prepare(path, size, force)
+    except place.PlaceError as exc:
         raise RepairError(str(exc)) from None
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
-        # --force replaces a pool file; a device node is never truncated, nor unlinked when
-        # fallocate fails on it.
-        raise RepairError(f"{path} is not a regular file: recover and promote write a pool file "
-                          "(onto a device DAX is not supported yet)")
-    if os.path.lexists(path) and not force:
-        raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)")
-    if force and (who := busy(path)):
-        raise RepairError(f"{path} is in use ({who}): stop that process before replacing the pool")
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(parent):
-        raise RepairError(f"directory {parent} does not exist")
-    existing = os.path.getsize(path) if os.path.isfile(path) else 0
-    free = shutil.disk_usage(parent).free + existing
-    if size > free:
-        raise RepairError(f"not enough free space in {parent}: the pool needs {size} bytes, {free} available")
-    try:
-        fd = safeopen.replace(path) if force else safeopen.create(path)
-    except safeopen.RefusedPath as exc:
-        raise RepairError(str(exc)) from None
-    except FileExistsError:
-        raise RepairError(f"{path} exists; recover writes a new pool (use --force to replace it)") from None
-    except OSError as exc:
-        raise RepairError(f"cannot create {path}: {exc.strerror}") from None
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        os.close(fd)
-        os.unlink(path)
-        raise RepairError(f"cannot allocate {size} bytes for {path}: {exc.strerror}") from None
-    return fd
 
 
 async def source_header(lane: Lane, region: RemoteRegion, source: ReplicaSpec,
@@ -215,11 +181,11 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
             region = await session.open_pool(source.name)
             lane = session.lanes[0]
             hdr, _ = await source_header(lane, region, source, timeout)
-            fd = create_file(pool, hdr.pool_size, force)
-            os.close(fd)
+            make_destination(pool, hdr.pool_size, force)
             done = False
             try:
-                with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
+                with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener,
+                                      length=hdr.pool_size) as mapping:
                     buf = mapping.buf
                     limit = await read_runs(lane, region, buf, [(0, hdr.map_off)], timeout, progress)
                     mark_others_full(mapping, hdr, source)
@@ -232,7 +198,7 @@ async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
                 done = True
             finally:
                 if not done:
-                    os.unlink(pool)
+                    place.unmake(pool)
     except TransportError as exc:
         raise RepairError(f"replica {source}: {exc}") from None
     except trio.TooSlowError:

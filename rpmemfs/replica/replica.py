@@ -26,6 +26,7 @@ from rpmemfs.transport.base import (
     Session,
     Ticket,
     TransportError,
+    declared,
 )
 
 
@@ -253,7 +254,9 @@ class Replica:
             "transport": (self.session.info.get("transport", "tcp") if self.session is not None
                           else self.spec.transport),
             "state": self.state.value,
-            "method": self.method,
+            # What the target declared: its barriers' native FLUSH (method "flush" inside the
+            # transport) is how apm is kept, and "flush" says which one ends them.
+            "method": declared(self.method),
             "flush": self.flush,
             "lanes": len(self.lanes),
             "slot": self.slot,

@@ -69,6 +69,12 @@ class RemoteRegion:
         return flush_of(self.method, self.native)
 
 
+def declared(method: Method | None) -> Method | None:
+    """The persistence method the target declared for a region whose barriers use ``method``:
+    a native FLUSH is only ever chosen for an appliance target."""
+    return "apm" if method == "flush" else method
+
+
 def flush_of(method: Method, native: Flush = "visibility") -> Flush:
     """The flush a barrier of ``method`` ends with (``native``: the FLUSH type, for "flush")."""
     return native if method == "flush" else "read" if method == "apm" else "send"

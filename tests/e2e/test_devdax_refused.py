@@ -6,6 +6,7 @@ are tested in the VM: tests/verbs/test_devdax.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -16,6 +17,12 @@ from helpers import Mount, assert_clean_error, cli, mkfs_replicated
 from rpmemfs.tools.processes import TargetProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+
+
+def probe_epoch(t: TargetProcess) -> object:
+    res = cli("pools", t.address, "--json")
+    assert res.returncode == 0, res
+    return (json.loads(res.stdout)["app"]["owner"] or {}).get("epoch")
 
 
 @pytest.fixture
@@ -79,6 +86,19 @@ def test_recover_force_leaves_a_device_node_alone(null: Path, work_dir: Path,
     mkfs_replicated(pool, targets)
     res = cli("recover", null, "--from", f"{targets[0].address}/app", "--force")
     assert res.returncode == 1, res
-    assert_clean_error(res, f"{null} is not a regular file: recover and promote write a pool file",
+    assert_clean_error(res, rf"{null} is a character device but not device DAX", one_line=True)
+    assert stat.S_ISCHR(os.lstat(null).st_mode)
+
+
+def test_promote_onto_a_device_that_is_not_device_dax_claims_nothing(
+        null: Path, work_dir: Path, targets: list[TargetProcess]) -> None:
+    pool = work_dir / "app.pool"
+    mkfs_replicated(pool, targets)
+    before = [probe_epoch(t) for t in targets]
+    assert None not in before, before  # mkfs claimed each (a promote would raise it)
+    res = cli("promote", null, "--from", f"{targets[0].address}/app", "--force")
+    assert res.returncode == 1, res
+    assert_clean_error(res, rf"{null} is a character device but not device DAX.*nothing was claimed",
                        one_line=True)
     assert stat.S_ISCHR(os.lstat(null).st_mode)
+    assert [probe_epoch(t) for t in targets] == before  # the old primary is not fenced
