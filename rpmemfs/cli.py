@@ -72,10 +72,13 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
     except ValueError as e:  # PoolSetError
         raise CliError(str(e)) from None
     if ps is not None:
-        if size is not None and size != ps.size:
+        if ps.size is None and device_at(ps.path) is None:
+            raise CliError(f"pool set {pool}: its part {ps.path} has size AUTO, which means a whole "
+                           "device DAX, and it is none: give the pool's size instead")
+        if size is not None and ps.size is not None and size != ps.size:
             raise CliError(f"--size of {size} bytes disagrees with the pool set's {ps.size} bytes")
-        pool, size, specs = ps.path, ps.size, ps.replicas + specs
-    elif size is None:
+        pool, size, specs = ps.path, size if ps.size is None else ps.size, ps.replicas + specs
+    if size is None:
         dev = device_at(pool)  # a device DAX: the pool takes all of it
         if dev is None:
             raise CliError("--size is required (or give a pool-set file, or a device DAX)")

@@ -15,5 +15,7 @@ case "$STACK" in
     *) echo "bench-verbs: VERBS_STACK must be debian or flush, not $STACK" >&2; exit 2 ;;
 esac
 VERBS_STACK=$STACK scripts/test-verbs.sh --setup-only || exit $?
+# An emulated NVDIMM laid out as device DAX: the barriers to a pool in persistent memory.
 env -u PYTHONDONTWRITEBYTECODE VM_KERNEL="$kernel" VM_TIMEOUT="${VM_TIMEOUT:-1800}" \
+    VM_NVDIMM="${VM_NVDIMM:-256}" VM_NVDIMM_MODE="${VM_NVDIMM_MODE:-devdax}" \
     vm/run.sh "$py" -m rpmemfs.tools.bench.verbs "$@"

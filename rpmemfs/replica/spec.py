@@ -94,9 +94,10 @@ class ReplicaSpec:
 
 @dataclass
 class PoolSet:
-    """The local pool (size and absolute path) and its replicas."""
+    """The local pool (size and absolute path) and its replicas. ``size`` is None for PMDK's
+    ``AUTO``: the whole device DAX the path names (mkfs looks the device up)."""
 
-    size: int
+    size: int | None
     path: str
     replicas: list[ReplicaSpec] = field(default_factory=list)
 
@@ -125,7 +126,7 @@ def parse_poolset(text: str, source: str = "pool set") -> PoolSet:
     if not lines or lines[0][1] != POOLSET_MAGIC:
         number = lines[0][0] if lines else 1
         raise fail(number, f"missing header: the first line must be {POOLSET_MAGIC}")
-    local: tuple[int, int, str] | None = None  # line number, size, path
+    local: tuple[int, int | None, str] | None = None  # line number, size, path
     replicas: list[ReplicaSpec] = []
     for number, line in lines[1:]:
         fields = line.split()
@@ -133,15 +134,17 @@ def parse_poolset(text: str, source: str = "pool set") -> PoolSet:
             replicas.append(_replica_line(fields[1:], number, fail))
             continue
         if len(fields) != 2:
-            raise fail(number, "expected 'SIZE /absolute/path' or 'REPLICA [tcp://|rdma://]HOST:PORT NAME', "
-                               f"got {line!r}")
+            raise fail(number, "expected 'SIZE|AUTO /absolute/path' or "
+                               f"'REPLICA [tcp://|rdma://]HOST:PORT NAME', got {line!r}")
         size_text, path = fields
-        try:
-            size = parse_size(size_text)
-        except ValueError as exc:
-            raise fail(number, str(exc)) from None
-        if size <= 0:
-            raise fail(number, f"bad size {size_text!r}: the pool needs a positive size")
+        size: int | None = None
+        if size_text.upper() != "AUTO":  # PMDK's word for "all of the device DAX"
+            try:
+                size = parse_size(size_text)
+            except ValueError as exc:
+                raise fail(number, f"{exc}, or AUTO for a whole device DAX") from None
+            if size <= 0:
+                raise fail(number, f"bad size {size_text!r}: the pool needs a positive size")
         if not os.path.isabs(path):
             raise fail(number, f"pool path {path!r} is relative: write it as an absolute path")
         if local is not None:

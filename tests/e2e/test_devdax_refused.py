@@ -102,3 +102,18 @@ def test_promote_onto_a_device_that_is_not_device_dax_claims_nothing(
                        one_line=True)
     assert stat.S_ISCHR(os.lstat(null).st_mode)
     assert [probe_epoch(t) for t in targets] == before  # the old primary is not fenced
+
+
+def test_a_pool_set_whose_part_is_auto_needs_a_device_dax(null: Path, tmp_path: Path) -> None:
+    # AUTO (PMDK's size of a device DAX part) takes the device's size; a file has none to take.
+    poolset = tmp_path / "app.set"
+    poolset.write_text(f"PMEMPOOLSET\nAUTO {tmp_path}/app.pool\n")
+    res = cli("mkfs", poolset)
+    assert res.returncode == 1, res
+    assert_clean_error(res, r"its part \S+app.pool has size AUTO, which means a whole device DAX, and "
+                       "it is none: give the pool's size instead", one_line=True)
+    assert not (tmp_path / "app.pool").exists()
+    poolset.write_text(f"PMEMPOOLSET\nAUTO {null}\n")
+    assert_clean_error(cli("mkfs", poolset), rf"{null} is a character device but not device DAX",
+                       one_line=True)
+    assert stat.S_ISCHR(os.lstat(null).st_mode)

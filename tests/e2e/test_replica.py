@@ -121,6 +121,10 @@ REPLICA tcp://[::1]:7421/app-b
     assert ps.path == "/srv/pools/app.pool"
     assert ps.replicas == [ReplicaSpec("127.0.0.1:7420", "app"), ReplicaSpec("[::1]:7421", "app-b")]
     assert parse_poolset("PMEMPOOLSET\n4096 /p\n").replicas == []
+    # PMDK's AUTO: the whole device DAX that the part names (mkfs reads its size).
+    auto = parse_poolset("PMEMPOOLSET\nAUTO /dev/dax0.1\nREPLICA rdma://10.0.0.2:7420 app\n")
+    assert auto.size is None and auto.path == "/dev/dax0.1" and len(auto.replicas) == 1
+    assert parse_poolset("PMEMPOOLSET\nauto /dev/dax0.1\n").size is None
 
 
 @pytest.mark.parametrize(
@@ -130,6 +134,7 @@ REPLICA tcp://[::1]:7421/app-b
         ("256M /p\nREPLICA h:1 a\n", 1, "missing header"),
         ("PMEMPOOLSET\n", 1, "no local part"),
         ("PMEMPOOLSET\n\n256Q /p\n", 3, "bad size"),
+        ("PMEMPOOLSET\nAUTOMATIC /p\n", 2, "or AUTO for a whole device DAX"),
         ("PMEMPOOLSET\n0 /p\n", 2, "positive size"),
         ("PMEMPOOLSET\n256M p.pool\n", 2, "relative"),
         ("PMEMPOOLSET\n256M /a\n# c\n256M /b\n", 4, "second local part"),
@@ -138,7 +143,7 @@ REPLICA tcp://[::1]:7421/app-b
         ("PMEMPOOLSET\n256M /a\nREPLICA h:1 a b\n", 3, "3 fields"),
         ("PMEMPOOLSET\n256M /a\nREPLICA h:x a\n", 3, "port must be"),
         ("PMEMPOOLSET\n256M /a\nREPLICA h:1 ../a\n", 3, "bad replica"),
-        ("PMEMPOOLSET\n256M /a extra\n", 2, "expected 'SIZE /absolute/path'"),
+        ("PMEMPOOLSET\n256M /a extra\n", 2, "expected 'SIZE|AUTO /absolute/path'"),
     ],
 )
 def test_poolset_errors(text: str, line: int, fragment: str) -> None:

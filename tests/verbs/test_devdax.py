@@ -22,6 +22,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import helpers
 import pytest
@@ -58,11 +59,28 @@ def work(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _target_on(work: Path, dev: str, token: Path) -> TargetProcess:
+    d = work / "target"
+    d.mkdir(mode=0o700)
+    return TargetProcess(d, listen=f"{IP_B}:0", token_file=token, extra=["--pool-dev", f"app={dev}"],
+                         log_path=work / "target.log")
+
+
+def _token(work: Path) -> Path:
+    token = work / "token"
+    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
+    token.chmod(0o600)
+    return token
+
+
 def test_a_pool_on_device_dax_flushes_never_msyncs_and_survives_kill9(work: Path) -> None:
     dev = DEVS[0]
     info = probe(dev)
     assert info is not None and info.size % info.align == 0, info
-    res = cli("mkfs", dev, "--force", timeout=300)  # no --size: the device's
+    # Through a pool set whose part is AUTO (PMDK's size of a device DAX part): the device's.
+    poolset = work / "app.set"
+    poolset.write_text(f"PMEMPOOLSET\nAUTO {dev}\n")
+    res = cli("mkfs", poolset, "--force", timeout=300)
     assert res.returncode == 0, describe(res)
     assert f"created pool {dev}" in res.stdout, res.stdout
     # A pool is there now: making another needs --force, as for a file.
@@ -134,14 +152,10 @@ def test_a_target_serves_a_pool_on_device_dax_over_verbs(work: Path, monkeypatch
     primary, replica = DEVS
     info = probe(primary)
     assert info is not None
-    token = work / "token"
-    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
-    token.chmod(0o600)
+    token = _token(work)
     d = work / "target"
-    d.mkdir(mode=0o700)
     # No --persist: a target whose pools are on device DAX declares the appliance method.
-    t = TargetProcess(d, listen=f"{IP_B}:0", token_file=token, extra=["--pool-dev", f"app={replica}"],
-                      log_path=work / "target.log")
+    t = _target_on(work, replica, token)
     m = Mount(Path(primary), work / "mnt", work, options="pmem=auto")
     alone: Mount | None = None
     try:
@@ -193,4 +207,95 @@ def test_a_target_serves_a_pool_on_device_dax_over_verbs(work: Path, monkeypatch
         m.cleanup()
         if alone is not None:
             alone.cleanup()
+        t.close()
+
+
+def test_failover_fail_back_and_recover_with_pools_on_device_dax(
+        work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fencing holds with pools on devices: the primary on one device dies, a new primary is
+    promoted (a file) from the replica on the other device, and the old primary is refused;
+    then the fail-back promotes onto the old primary's device, copying only what changed, and
+    the file primary is refused in turn; recover rewrites the device from the replica."""
+    if not (rdma_devices() and IP_A and IP_B):
+        pytest.skip("needs RDMA devices (rxe) in the VM")
+    monkeypatch.setenv("RPMEMFS_RDMA_SRC", IP_A)
+    primary, replica = DEVS
+    token = _token(work)
+    t = _target_on(work, replica, token)
+
+    def src() -> str:
+        return f"rdma://{t.address}/app"
+
+    mounts: list[Mount] = []
+
+    def mount(pool: Path, name: str) -> Mount:
+        m = Mount(pool, work / name, work, options="pmem=auto")
+        mounts.append(m)
+        return m
+
+    def promote(onto: Path) -> dict[str, Any]:
+        res = cli("promote", onto, "--from", src(), "--token-file", token, "--json",
+                  timeout=600)
+        assert res.returncode == 0, describe(res) + t.log_text()
+        result: dict[str, Any] = json.loads(res.stdout)
+        return result
+
+    try:
+        t.start(timeout=180)
+        # A pool-set file whose part is a device DAX (a pool of 16 MiB on it: quicker copies).
+        poolset = work / "app.set"
+        poolset.write_text(f"PMEMPOOLSET\n16M {primary}\nREPLICA {src()}\n")
+        res = cli("mkfs", poolset, "--force", "--token-file", token, timeout=600)
+        assert res.returncode == 0, describe(res) + t.log_text()
+        old = mount(poolset, "old")
+        old.start()
+        first = {f"a{i}": os.urandom(5000 + 40_000 * i) for i in range(4)}
+        for name, payload in first.items():
+            write_fsync(old.path / name, payload)
+        assert status_json(old.path)["pmem_mode"] == "devdax"
+        old.kill9()
+
+        new_pool = work / "new.pool"
+        took = promote(new_pool)
+        assert len(took["claimed"]) == 1 and not took["unreachable"], took
+        # The old primary, on its device, is fenced: its next mount is refused.
+        assert "taken over" in mount(Path(primary), "again").start_expect_failure()
+        new = mount(new_pool, "new")
+        new.start()
+        for name, payload in first.items():
+            assert (new.path / name).read_bytes() == payload, name
+        second = {f"b{i}": os.urandom(70_000) for i in range(3)}
+        for name, payload in second.items():
+            write_fsync(new.path / name, payload)
+        rep = status_json(new.path)["replicas"][0]
+        assert rep["state"] == "in-sync" and rep["method"] == "apm", rep
+        assert rep["flush"] == ("persistent" if native_flush() else "read"), rep
+        new.unmount()
+
+        # Fail-back onto the device: it holds an older copy of this pool, so only the chunks
+        # that changed are copied, and the file primary is fenced in its turn.
+        back = promote(Path(primary))
+        assert 0 < back["chunks_differing"] < back["chunks_compared"], back
+        assert "taken over" in mount(new_pool, "new-again").start_expect_failure()
+        home = mount(Path(primary), "home")
+        home.start()
+        for name, payload in {**first, **second}.items():
+            assert (home.path / name).read_bytes() == payload, name
+        assert status_json(home.path)["pmem_mode"] == "devdax"
+        home.unmount()
+
+        # recover rewrites the device from the replica: a device holding a pool only with
+        # --force, and what it makes checks clean and mounts with every file.
+        assert_clean_error(cli("recover", primary, "--from", src(), "--token-file", token, timeout=300),
+                           f"{primary} holds an rpmemfs pool .*use --force", one_line=True)
+        res = cli("recover", primary, "--from", src(), "--token-file", token, "--force", timeout=600)
+        assert res.returncode == 0, describe(res) + t.log_text()
+        assert_check_clean(Path(primary))
+        home.start()
+        for name, payload in {**first, **second}.items():
+            assert (home.path / name).read_bytes() == payload, name
+        home.unmount()
+    finally:
+        for m in mounts:
+            m.cleanup()
         t.close()

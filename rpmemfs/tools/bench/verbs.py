@@ -17,6 +17,14 @@ of: one write, then one read behind it); general-purpose against appliance; 1x1M
 ib_write_bw. Where the device and rdma-core offer native RDMA FLUSH (VERBS_STACK=flush
 scripts/bench-verbs.sh: Linux 6.12 and pyverbs 59), the appliance target is also measured with
 method "flush": the same writes ended by one FLUSH instead of the READ.
+
+Persistent memory on the target's end: where the VM has a device DAX namespace
+(RPMEMFS_DAX_DEVS, which scripts/bench-verbs.sh asks for), a third target serves a pool on it
+(`--pool-dev`, so it declares apm itself and registers the device for FLUSH of the persistent
+type where rxe grants it), and its barriers are measured ended by the READ (`devdax read`),
+and where the stack has native FLUSH by one of the persistent type (`devdax persistent`: the
+range written back to the target's persistence domain before the answer) and of the
+global-visibility type (`devdax visibility`), on the same pool, in the same run.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +56,9 @@ from rpmemfs.transport.tokens import read_token_file
 KIB = 1 << 10
 MIB = 1 << 20
 POOL = 64 * MIB
+# What every barrier touches lies below 33 MiB: a pool of 48 MiB fits the VM's 62 MiB devices.
+DAX_POOL = 48 * MIB
+DAX_POOL_NAME = "bench-dax"
 PERFTEST_PORT = 18515
 
 
@@ -93,14 +105,33 @@ async def _methods(persist: str, address: str, token: bytes, src: str, iters: in
     return out
 
 
-async def _method(session: Any, method: str, iters: int) -> dict[str, Any]:
+async def _devdax(address: str, token: bytes, src: str, iters: int) -> dict[str, Any]:
+    """The barriers to a pool on device DAX: by READ, and by each native FLUSH both ends allow."""
+    from rpmemfs.transport.verbs import connect
+
+    out: dict[str, Any] = {}
+    async with await connect(address, token, lanes=1, timeout=60, src=src) as session:
+        region: RemoteRegion = await session.create_pool(DAX_POOL_NAME, DAX_POOL)
+        kinds: list[tuple[str, str, RemoteRegion]] = [("devdax read", "apm", replace(region, method="apm"))]
+        if region.method == "flush":
+            kinds.append(("devdax visibility", "flush", replace(region, native="visibility")))
+            if region.native == "persistent":
+                kinds.append(("devdax persistent", "flush", region))
+        for label, method, r in kinds:
+            _log(f"{label}: barriers")
+            out[label] = await _method(session, method, iters, r)
+    return out
+
+
+async def _method(session: Any, method: str, iters: int, region: RemoteRegion | None = None
+                  ) -> dict[str, Any]:
     local_map = mmap.mmap(-1, POOL)
     buf = memoryview(local_map)
     local = LocalPool(buf, ffi.from_buffer(buf))
     buf[:] = os.urandom(1024) * (POOL // 1024)
     out: dict[str, Any] = {}
-    # one pool per method, on the session's lane
-    region: RemoteRegion = await session.create_pool("bench-" + uuid.uuid4().hex[:8], POOL)
+    if region is None:  # one pool per method, on the session's lane
+        region = await session.create_pool("bench-" + uuid.uuid4().hex[:8], POOL)
     lane = session.lanes[0]
 
     posting: list[float] = []
@@ -198,6 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             t.start(timeout=300)
             targets.append(t)
             results.update(trio.run(_methods, method, t.address, token, ip_a, args.iterations))
+        devs = [d for d in os.environ.get("RPMEMFS_DAX_DEVS", "").split(",") if d]
+        results["devdax"] = devs[0] if devs else "none (no device DAX in this VM: VM_NVDIMM_MODE)"
+        if devs:
+            d = work / "devdax"
+            d.mkdir()
+            t = TargetProcess(d, listen=f"{ip_b}:0", token_file=token_file,
+                              extra=["--pool-dev", f"{DAX_POOL_NAME}={devs[0]}", *extra],
+                              log_path=work / "devdax.log", log_level="warning")
+            t.start(timeout=300)
+            targets.append(t)
+            results.update(trio.run(_devdax, t.address, token, ip_a, args.iterations))
     finally:
         for t in targets:
             t.close()
@@ -216,6 +258,16 @@ def main(argv: list[str] | None = None) -> int:
             results["flush"]["1x4K"]["p50_us"] / apm["1x4K"]["p50_us"], 2)
         results["ratios"]["flush 1x4K / (ib_write_lat 4K + ib_read_lat 8B)"] = round(
             results["flush"]["1x4K"]["p50_us"] / floor, 2)
+    dax = {k: results[k]["1x4K"]["p50_us"] for k in ("devdax read", "devdax visibility",
+                                                    "devdax persistent") if k in results}
+    if "devdax persistent" in dax:
+        results["ratios"]["devdax persistent 1x4K / devdax read 1x4K"] = round(
+            dax["devdax persistent"] / dax["devdax read"], 2)
+        results["ratios"]["devdax persistent 1x4K / devdax visibility 1x4K"] = round(
+            dax["devdax persistent"] / dax["devdax visibility"], 2)
+    if "devdax read" in dax:
+        results["ratios"]["devdax read 1x4K / apm 1x4K (force)"] = round(
+            dax["devdax read"] / apm["1x4K"]["p50_us"], 2)
     print(json.dumps(results, indent=2))
     if args.json:
         safeopen.write_text(args.json, json.dumps(results, indent=2) + "\n")
