@@ -30,6 +30,9 @@ def test_a_busy_cpu_is_not_idle() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_wait_ends_when_the_load_does_and_gives_up_at_its_timeout() -> None:
+    if wait_until_quiet(timeout=5) is None:
+        # Another job keeps the machine busy: the end of this test's own load cannot be seen.
+        pytest.skip("the machine is busy with something else")
     procs = busy(1.2, os.cpu_count() or 1)
     try:
         time.sleep(0.1)
