@@ -1,4 +1,6 @@
-/* rpmemfs target data path: the receive loop of one lane connection, run in a thread.
+/* rpmemfs data path in C: the target's receive loop of one lane connection, run in a thread,
+ * with the regions and counters it shares with Python; and the initiator's barrier
+ * builder (rpm_post_barrier, at the end), which writes the frames that loop reads.
  *
  * This plays the NIC of docs/wire.md. It takes frames off the lane's socket strictly in
  * order, places WRITE payloads into the registered pool mappings, answers a READ only

@@ -193,24 +193,23 @@ uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len)
 size_t rpm_log_scan(const void *area, size_t len, size_t off, uint64_t seq, uint64_t *out,
                     size_t max)
 {
-    /* The record header is crc u32 | length u32 | seq u64, little endian like the host;
-     * the CRC covers length, seq and payload, which lie side by side. */
+    /* The record header is struct rpm_rec_hdr (rpmem_record.h, generated from
+     * rpmemfs/fs/record_format.py); the CRC covers it from RPM_REC_CRC_FROM on and then the
+     * payload, which lie side by side. */
     const unsigned char *a = area;
     size_t n = 0;
-    while (n < max && off <= len && len - off >= 16) {
-        uint32_t crc, plen;
-        uint64_t got;
-        memcpy(&crc, a + off, 4);
-        memcpy(&plen, a + off + 4, 4);
-        memcpy(&got, a + off + 8, 8);
-        if (got != seq + n || plen == 0 || plen > len - off - 16)
+    while (n < max && off <= len && len - off >= RPM_REC_HEADER_SIZE) {
+        struct rpm_rec_hdr h;
+        memcpy(&h, a + off, sizeof h);
+        if (h.seq != seq + n || h.length == 0 || h.length > len - off - RPM_REC_HEADER_SIZE)
             break;
-        if (rpm_crc32c(0, a + off + 4, 12 + (size_t)plen) != crc)
+        if (rpm_crc32c(0, a + off + RPM_REC_CRC_FROM,
+                       RPM_REC_HEADER_SIZE - RPM_REC_CRC_FROM + (size_t)h.length) != h.crc)
             break;
         out[2 * n] = off;
-        out[2 * n + 1] = plen;
+        out[2 * n + 1] = h.length;
         n++;
-        off += 16 + (((size_t)plen + 7) & ~(size_t)7);
+        off += RPM_REC_HEADER_SIZE + (((size_t)h.length + RPM_REC_ALIGN - 1) & ~(size_t)(RPM_REC_ALIGN - 1));
     }
     return n;
 }

@@ -1,8 +1,11 @@
-/* rpmemfs native helper: cache-line write-back, non-temporal copies, CRC-32C.
+/* rpmemfs native helper: cache-line write-back and the ordered commit of a durability
+ * point, non-temporal copies, CRC-32C and the log scan (rpmem_native.c); the AEAD record
+ * layer of protected connections (rpmem_sec.c); the target's lane loop and the
+ * initiator's barrier builder (rpmem_lane.c).
  *
  * This header doubles as the cffi cdef: build.py feeds it to cffi with the
- * preprocessor lines dropped (after the wire format's cdef, which defines the RPM_WIRE_
- * names used here), so it must hold only plain declarations.
+ * preprocessor lines dropped (after the cdefs of the wire format and the log record header,
+ * which define the RPM_WIRE_ and RPM_REC_ names), so it must hold only plain declarations.
  */
 #ifndef RPMEM_NATIVE_H
 #define RPMEM_NATIVE_H
@@ -10,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "rpmem_record.h" /* generated from rpmemfs/fs/record_format.py (native/record_header.py) */
 #include "rpmem_wire.h" /* generated from rpmemfs/transport/wire.py (native/wire_header.py) */
 
 /* 2 = clwb, 1 = clflushopt, 0 = clflush; the instruction rpm_flush uses. */
@@ -47,7 +51,8 @@ int rpm_populate(void *addr, size_t len);
  * continues the checksum: rpm_crc32c(rpm_crc32c(0, a), b) == crc of a+b. */
 uint32_t rpm_crc32c(uint32_t crc, const void *buf, size_t len);
 
-/* The intact log records of a log area of len bytes (docs/format.md, "Log areas"), from
+/* The intact log records (struct rpm_rec_hdr, then the payload, padded to RPM_REC_ALIGN)
+ * of a log area of len bytes (docs/format.md, "Log areas"), from
  * offset off on, record i carrying sequence number seq + i: up to max of them, each as
  * its offset and payload length in out[2i] and out[2i + 1]. Stops at the first record
  * that is missing, out of sequence or fails its CRC; returns how many it found. */

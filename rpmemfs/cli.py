@@ -1,5 +1,6 @@
-"""The `rpmemfs` command: mkfs, mount, umount, status, flush, check, verify, sync, recover,
-promote, pools, evict, target, bench, soak, timeline, demo.
+"""The `rpmemfs` command: every command's arguments, and the dispatch to the layer that does it.
+`rpmemfs --help` names the commands as the parser holds them (build_parser), never from a list
+kept by hand.
 
 This is the CLI edge: argparse dispatches every command (global options such as --log-level
 work before or after it), and main() turns what a command raises into what a user sees, once:
@@ -21,6 +22,7 @@ import logging
 import math
 import os
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, cast
@@ -47,6 +49,14 @@ def _progress(label: str) -> Callable[[int, int], None] | None:
     """A progress callback (done, total) drawing a bar on stderr when it is a terminal."""
     bar = ProgressBar(label)
     return bar.update if bar.shown else None
+
+
+def _protection(args: argparse.Namespace) -> str:
+    """The wire protection a command's connections to targets ask for: its --wire-protection,
+    else the default (passed to each layer that connects, never set in the environment)."""
+    from rpmemfs.transport.protection import DEFAULT
+
+    return str(args.wire_protection or DEFAULT)
 
 
 def _token(given: str | None, recorded: str | None = None) -> bytes | None:
@@ -86,7 +96,7 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
     token = _token(args.token_file)
     try:
         hdr = create_pool(pool, size, specs, token=token, token_file=args.token_file,
-                          force=args.force, progress=_progress("mkfs"))
+                          force=args.force, progress=_progress("mkfs"), wire_protection=_protection(args))
     except ProvisionError as e:
         left = "could not be removed again" in str(e)
         raise CliError(f"mkfs of {pool} failed: {e}. The local pool was removed"
@@ -108,7 +118,8 @@ def cmd_grow(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.pool) and not is_char_device(args.pool):
         raise CliError(f"pool {args.pool} does not exist or is not a file (nor a device DAX)")
     try:
-        hdr = grow_pool(args.pool, args.size, lambda recorded: _token(args.token_file, recorded))
+        hdr = grow_pool(args.pool, args.size, lambda recorded: _token(args.token_file, recorded),
+                        wire_protection=_protection(args))
     except GrowError as e:
         raise CliError(str(e)) from None
     print(f"grew {args.pool} to {human(hdr.pool_size)}: {hdr.data_blocks} data blocks; its replicas "
@@ -119,7 +130,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
 def cmd_mount(args: argparse.Namespace) -> int:
     from rpmemfs.mountd.start import run
 
-    return run(args.pool, args.mountpoint, args.o or [], args.foreground)
+    return run(args.pool, args.mountpoint, args.o or [], args.foreground, args.wire_protection)
 
 
 def _rpmemfs_mount(mp: str, elsewise: str) -> MountEntry:
@@ -320,7 +331,7 @@ def _replicated_pool(path: str, token_file: str | None, what: str, writable: boo
 def cmd_verify(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.verify import format_report, report_from_dict, verify
+    from rpmemfs.replica.verify import content_size, format_report, report_from_dict, verify
 
     chunk = args.chunk  # None: the pool's own, which sync counts in too
     if (entry := _mount_asked(args.pool)) is not None:
@@ -329,7 +340,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         opened = _replicated_pool(args.pool, args.token_file, "verify", writable=False)
         with opened as (pool, pm, specs, token):
-            report = trio.run(verify, pool, pm.buf, specs, token, chunk)
+            bar = ProgressBar("verify", content_size(pm.buf) * len(specs))
+            try:
+                report = trio.run(lambda: verify(pool, pm.buf, specs, token, chunk, bar,
+                                                 wire_protection=_protection(args)))
+            finally:
+                bar.close()
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.clean else 1
 
@@ -347,7 +363,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
         with opened as (pool, pm, specs, token):
             bar = ProgressBar("sync", content_size(pm.buf) * len(specs))
             try:
-                result = trio.run(sync_pool, pool, pm, specs, token, bar).as_dict()
+                result = trio.run(lambda: sync_pool(pool, pm, specs, token, bar,
+                                                    wire_protection=_protection(args))).as_dict()
             finally:
                 bar.close()
     print(json.dumps(result, indent=2) if args.json else format_sync(result))
@@ -370,7 +387,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     source, token = _from_replica(args, "replacing it")
     result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
                                            unfinished_resync=args.unfinished_resync,
-                                           progress=_progress("recover")))
+                                           progress=_progress("recover"),
+                                           wire_protection=_protection(args)))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -387,7 +405,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     source, token = _from_replica(args, "promoting onto it")
     result = trio.run(lambda: promote_pool(args.pool, source, token, force=args.force,
                                            unfinished_resync=args.unfinished_resync,
-                                           progress=_progress("promote")))
+                                           progress=_progress("promote"),
+                                           wire_protection=_protection(args)))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -418,7 +437,8 @@ def _ask_target(args: argparse.Namespace, request: dict[str, object]) -> dict[st
     from rpmemfs.target.admin import ask
 
     try:
-        return trio.run(ask, args.address, _token(args.token_file), request, args.timeout)
+        return trio.run(ask, args.address, _token(args.token_file), request, args.timeout,
+                        _protection(args))
     except ValueError as e:
         raise CliError(f"{args.address}: {e}") from None
 
@@ -702,8 +722,7 @@ def options_help() -> str:
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="rpmemfs", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="rpmemfs", formatter_class=argparse.RawDescriptionHelpFormatter)
     _global_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                            parser_class=_Command)
@@ -831,6 +850,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("dir")
     s.add_argument("--size", type=_size_arg, default="256M",
                    help="the pool's size (default 256M); the demo takes three times that in DIR")
+    # Made from the parser, so that a command added above is named here too.
+    p.description = textwrap.fill(f"The `rpmemfs` command: {', '.join(sub.choices)}.", width=95)
     return p
 
 
@@ -911,10 +932,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     with _closed_pipes_tolerated():
         logs.setup(args.log_level or DEFAULT_LOG_LEVEL)
-        if args.wire_protection is not None:
-            from rpmemfs.transport import protection
-
-            protection.set_initiator(args.wire_protection)
         try:
             return int(args.func(args))
         except KeyboardInterrupt:

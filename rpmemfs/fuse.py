@@ -274,10 +274,10 @@ class Operations(pyfuse3.Operations):
             return call()
 
     # fallocate, SEEK_DATA/SEEK_HOLE and copy_file_range, errnos included: rpmemfs.fs.extents
-    # and README's "POSIX semantics".
-    @functools.cached_property
+    # (the filesystem's ``extents``) and README's "POSIX semantics".
+    @property
     def extents(self) -> Extents:
-        return Extents(self.fs)
+        return self.fs.extents
 
     @errors
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:

@@ -1,5 +1,7 @@
-"""Prometheus metrics of a mount (`-o metrics=HOST:PORT`) and of a target (`--metrics
-HOST:PORT`), served at /metrics; where, and who may read them: metrics_endpoint.py.
+"""Serving Prometheus metrics at /metrics, for a mount (`-o metrics=HOST:PORT`) and for a target
+(`--metrics HOST:PORT`); where, and who may read them: metrics_endpoint.py. What each daemon
+exposes is its own: mountd/metrics.py and target/metrics.py turn its snapshot into metric
+families, with the histogram helpers here.
 
 The server runs in a thread of its own; the daemons keep their state on their trio thread
 without locks. So each scrape asks the trio thread for a snapshot (a plain dict, made there
@@ -15,12 +17,10 @@ Here each connection's handshake happens in its own request thread, under a dead
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import ssl
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -28,33 +28,28 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import trio
 from prometheus_client.core import (
-    CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
-    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from rpmemfs.latency import BOUNDS_S, Snapshot
 from rpmemfs.metrics_endpoint import MetricsEndpoint
-from rpmemfs.mountd.status import health as mount_health
-from rpmemfs.transport.base import FLUSHES
 
 log = logging.getLogger("rpmemfs.metrics")
 
-REPLICA_STATES = ("connecting", "in-sync", "stale", "resyncing")
 SNAPSHOT_TIMEOUT = 5.0  # a scrape waits this long for a daemon's loop, then reports it down
 # A scraper gets this long for its TLS handshake and its request: one that stalls frees its
 # thread then.
 REQUEST_TIMEOUT = 10.0
 
 
-def _histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+def histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, labels=labels)
 
 
-def _add_histogram(family: HistogramMetricFamily, values: list[str], snap: Snapshot) -> None:
+def add_histogram(family: HistogramMetricFamily, values: list[str], snap: Snapshot) -> None:
     buckets = [(f"{b:g}", float(c)) for b, c in zip(BOUNDS_S, snap.buckets, strict=False)]
     buckets.append(("+Inf", float(snap.buckets[-1])))
     family.add_metric(values, buckets, snap.sum_s)
@@ -89,138 +84,6 @@ def _ask(fn: Callable[[], dict[str, Any]], token: trio.lowlevel.TrioToken) -> di
             return fn()
 
     return trio.from_thread.run(bounded, trio_token=token)
-
-
-def mount_families(st: dict[str, Any]) -> Iterator[Metric]:
-    """What a mount exposes, from Mounted.metrics_snapshot()."""
-    info = InfoMetricFamily("rpmemfs_mount", "the mount: pool, mount point, pmem mode, epoch")
-    info.add_metric([], {"pool": str(st["pool"]), "mountpoint": str(st["mountpoint"]),
-                         "pmem": str(st["pmem_mode"]), "epoch": str(st["epoch"])})
-    yield info
-    for name, doc, key in (
-        ("rpmemfs_pool_size_bytes", "pool file size", "size"),
-        ("rpmemfs_pool_data_bytes", "bytes the pool holds for file data", "data_size"),
-        ("rpmemfs_pool_used_bytes", "bytes of file data in use", "used"),
-        ("rpmemfs_inodes", "files, directories and links", "inodes"),
-        ("rpmemfs_min_replicas", "replicas in sync that fsync requires", "min_replicas"),
-        ("rpmemfs_start_time_seconds", "when the mount started (unix time)", "started"),
-        ("rpmemfs_oldest_barrier_seconds", "how long the oldest barrier still waiting for replicas "
-         "has waited (a replica that stops answering shows here before replica_timeout)",
-         "oldest_barrier_s"),
-    ):
-        g = GaugeMetricFamily(name, doc)
-        g.add_metric([], float(st.get(key) or 0))
-        yield g
-    health = GaugeMetricFamily("rpmemfs_health", "0 healthy, 1 degraded (not every replica in sync), "
-                               "2 failing (fsync returns EIO)")
-    health.add_metric([], float(mount_health(st)[0]))
-    yield health
-    fenced = GaugeMetricFamily("rpmemfs_fenced", "1 when another primary took the replicas over")
-    fenced.add_metric([], 1.0 if st.get("fenced") else 0.0)
-    yield fenced
-    fsyncs = _histogram("rpmemfs_fsync_seconds", "durability points (fsync, fdatasync, msync, "
-                        "periodic commit), from call to return", [])
-    _add_histogram(fsyncs, [], st["fsync_histogram"])
-    yield fsyncs
-
-    replicas: list[dict[str, Any]] = st.get("replicas") or []
-    now = time.time()
-    labels = ["replica"]
-    state = GaugeMetricFamily("rpmemfs_replica_state", "1 for the replica's current state",
-                              labels=["replica", "state"])
-    flush = GaugeMetricFamily("rpmemfs_replica_flush", "1 for the flush the replica's barriers end "
-                              "with (a native RDMA FLUSH of the persistent or the global-visibility "
-                              "type, the appliance READ, the general-purpose SEND)",
-                              labels=["replica", "flush"])
-    in_sync = GaugeMetricFamily("rpmemfs_replica_in_sync", "1 when the replica takes every barrier",
-                                labels=labels)
-    lag = GaugeMetricFamily("rpmemfs_replica_lag_bytes", "bytes the replica misses (NaN: unknown "
-                            "until it is compared in full)", labels=labels)
-    lag_s = GaugeMetricFamily("rpmemfs_replica_lag_seconds", "replication=async: the age of the "
-                              "oldest point the replica has not acknowledged (0: it holds them all; "
-                              "out of sync: how long it has been)", labels=labels)
-    behind = GaugeMetricFamily("rpmemfs_replica_behind_seconds", "how long the replica has been out "
-                               "of sync (0 in sync)", labels=labels)
-    sent = CounterMetricFamily("rpmemfs_replica_sent_bytes", "bytes replicated by barriers",
-                               labels=labels)
-    barriers = CounterMetricFamily("rpmemfs_replica_barriers", "barriers acknowledged", labels=labels)
-    resyncs = CounterMetricFamily("rpmemfs_replica_resyncs", "resyncs started", labels=labels)
-    progress = GaugeMetricFamily("rpmemfs_replica_resync_progress_ratio", "how far the resync under "
-                                 "way is (0 to 1; 1 when none runs)", labels=labels)
-    latency = _histogram("rpmemfs_replica_barrier_seconds", "barriers, from post to the replica's "
-                         "acknowledgement", labels)
-    for r in replicas:
-        v = [f"{r['address']}/{r['name']}"]
-        for s in REPLICA_STATES:
-            state.add_metric([v[0], s], 1.0 if r.get("state") == s else 0.0)
-        for f in FLUSHES:
-            flush.add_metric([v[0], f], 1.0 if r.get("flush") == f else 0.0)
-        in_sync.add_metric(v, 1.0 if r.get("state") == "in-sync" else 0.0)
-        lb = r.get("lag_bytes")
-        lag.add_metric(v, float(lb) if isinstance(lb, int) else math.nan)
-        lag_s.add_metric(v, float(r.get("lag_seconds") or 0))
-        since = r.get("behind_since")
-        behind.add_metric(v, max(0.0, now - since) if isinstance(since, (int, float)) else 0.0)
-        sent.add_metric(v, float(r.get("bytes") or 0))
-        barriers.add_metric(v, float(r.get("barriers") or 0))
-        resyncs.add_metric(v, float(r.get("resyncs") or 0))
-        p = r.get("resync")
-        progress.add_metric(v, p["done"] / p["total"] if isinstance(p, dict) and p.get("total") else 1.0)
-        hist = st["replica_histograms"].get(v[0])
-        if hist is not None:
-            _add_histogram(latency, v, hist)
-    yield from (state, flush, in_sync, lag, lag_s, behind, sent, barriers, resyncs, progress, latency)
-
-
-def target_families(st: dict[str, Any]) -> Iterator[Metric]:
-    """What a target exposes, from Server.metrics_snapshot()."""
-    for name, doc, key in (
-        ("rpmemfs_target_sessions", "sessions open", "sessions"),
-        ("rpmemfs_target_connections", "authenticated connections open", "connections"),
-        ("rpmemfs_target_handshakes", "connections that have not authenticated yet", "handshakes"),
-    ):
-        g = GaugeMetricFamily(name, doc)
-        g.add_metric([], float(st[key]))
-        yield g
-    dropped = CounterMetricFamily("rpmemfs_target_handshakes_dropped", "handshakes closed to keep "
-                                  "unauthenticated connections under their caps")
-    dropped.add_metric([], float(st["handshakes_dropped"]))
-    yield dropped
-    failed = CounterMetricFamily("rpmemfs_target_failed_proofs", "handshakes refused for a wrong or "
-                                 "unknown token (each answered after a per-address delay)")
-    failed.add_metric([], float(st.get("failed_proofs", 0)))
-    yield failed
-    labels = ["pool"]
-    counters = {
-        "writes": CounterMetricFamily("rpmemfs_target_writes", "WRITE operations placed", labels=labels),
-        "bytes": CounterMetricFamily("rpmemfs_target_written_bytes", "bytes placed by writes",
-                                     labels=labels),
-        "flushes": CounterMetricFamily("rpmemfs_target_flushes", "flushes served", labels=labels),
-        "persisted_ranges": CounterMetricFamily("rpmemfs_target_persisted_ranges",
-                                                "ranges made persistent", labels=labels),
-        "reads": CounterMetricFamily("rpmemfs_target_reads", "READ operations served", labels=labels),
-        "persisted_bytes": CounterMetricFamily("rpmemfs_target_persisted_bytes",
-                                               "bytes made persistent by flushes", labels=labels),
-    }
-    persist = _histogram("rpmemfs_target_persist_seconds", "flushes' write-backs to the persistence "
-                         "domain (general-purpose method)", labels)
-    size = GaugeMetricFamily("rpmemfs_target_pool_size_bytes", "pool file size", labels=labels)
-    open_ = GaugeMetricFamily("rpmemfs_target_pool_open", "sessions that have the pool open",
-                              labels=labels)
-    unfinished = GaugeMetricFamily("rpmemfs_target_pool_unfinished_resync", "1 when a resync of the "
-                                   "pool began and did not end (not a consistent copy)", labels=labels)
-    for name, p in sorted(st["pools"].items()):
-        for key, family in counters.items():
-            family.add_metric([name], float(p.get(key) or 0))
-        size.add_metric([name], float(p.get("size") or 0))
-        open_.add_metric([name], float(p.get("open") or 0))
-        owner = p.get("owner") or {}
-        unfinished.add_metric([name], 1.0 if owner.get("resync") else 0.0)
-        buckets = p.get("persist_buckets")
-        if buckets:
-            _add_histogram(persist, [name], Snapshot(tuple(buckets), (p.get("persist_ns") or 0) / 1e9,
-                                                     int(p.get("persists") or 0)))
-    yield from (*counters.values(), persist, size, open_, unfinished)
 
 
 def serve_snapshots(endpoint: MetricsEndpoint, snapshot: Callable[[], dict[str, Any]],

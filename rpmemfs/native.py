@@ -1,4 +1,14 @@
-"""Python face of the compiled helper in ``native/`` (cache flushes, NT copies, CRC-32C)."""
+"""Python face of the compiled helper in ``native/``, and the few wrappers Python needs of it.
+
+The helper (cffi, built by native/build.py) holds: cache-line write-back, fences,
+non-temporal copies and the ordered commit of a durability point (pmem.py calls them through
+``lib``); CRC-32C; the log scan a mount reads its records with (:func:`log_scan`); the AEAD
+record layer of protected connections (rpmem_sec.c, through transport/sockio.py); the
+target's lane loop and the initiator's barrier builder (rpmem_lane.c, through
+target/lane_native.py and transport/tcp.py); and, as ``lib`` constants, the wire format and
+the log record header it was compiled with (generated from rpmemfs/transport/wire.py and
+rpmemfs/fs/record_header.py).
+"""
 
 try:
     from rpmemfs._native import ffi, lib
@@ -40,6 +50,8 @@ def crc32c(data: BytesLike, crc: int = 0) -> int:
 
 # Records found per call of rpm_log_scan: 1 MiB of offsets and lengths at most.
 _SCAN_BATCH = 65536
+_REC_HEADER = int(lib.RPM_REC_HEADER_SIZE)
+_REC_ALIGN = int(lib.RPM_REC_ALIGN)
 
 
 def log_scan(area: BytesLike, off: int, seq: int) -> list[int]:
@@ -59,7 +71,8 @@ def log_scan(area: BytesLike, off: int, seq: int) -> list[int]:
             batch: list[int] = ffi.unpack(out, 2 * n)
             found += batch
             seq += n
-            off = batch[-2] + 16 + ((batch[-1] + 7) & ~7)
+            # The next record's offset, by the header C was built with (rpmem_record.h).
+            off = batch[-2] + _REC_HEADER + ((batch[-1] + _REC_ALIGN - 1) & ~(_REC_ALIGN - 1))
             if n < _SCAN_BATCH:
                 break
     return found

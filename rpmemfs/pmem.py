@@ -28,6 +28,7 @@ from rpmemfs.devdax import DevDaxError, describe
 from rpmemfs.errors import RpmemfsError
 from rpmemfs.holders import describe_process, lock_holders
 from rpmemfs.native import BytesLike, ffi, lib
+from rpmemfs.pool.header import find_header
 from rpmemfs.units import human
 
 log = logging.getLogger("rpmemfs.pmem")
@@ -90,8 +91,6 @@ def _map_device(fd: int, st: os.stat_result, path: str, readonly: bool,
                         f"{exc.strerror or exc}") from exc
     if length is None:
         # The pool format is read here only for its length: a device has no file size to say it.
-        from rpmemfs.pool.header import find_header
-
         with memoryview(mm) as view:  # released at once: a view left would keep mm from closing
             hdr = find_header(view)
         length = hdr.pool_size if hdr is not None and 0 < hdr.pool_size <= dev.size else dev.size

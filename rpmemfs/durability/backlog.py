@@ -55,10 +55,9 @@ from typing import Any
 
 import trio
 
+from rpmemfs.ranges import Ranges
 from rpmemfs.replica.barriers import Barriers, ReplicaError
 from rpmemfs.replica.replica import IN_SYNC, Posted, Replica
-
-Ranges = list[tuple[int, int]]
 
 # 64 MiB: about 0.2 s of what this machine replicates with 1 MiB writes (~300 MB/s), so a
 # burst of that size costs no writer a wait; it is also the most memory the copies take

@@ -46,11 +46,10 @@ from rpmemfs.durability.stale_table import StaleTable
 from rpmemfs.durability.stats import Stats
 from rpmemfs.errors import RpmemfsError
 from rpmemfs.pool import position
+from rpmemfs.ranges import Ranges
 from rpmemfs.replica.replica_set import InFlight, ReplicaError, ReplicaSet
 
 log = logging.getLogger("rpmemfs.durability")
-
-Ranges = list[tuple[int, int]]
 
 
 class DurabilityError(RpmemfsError):

@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from rpmemfs.ranges import Ranges
 from rpmemfs.replica.replica import Replica, ReplicaState
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import write_table
 
 log = logging.getLogger("rpmemfs.mount")
-
-Ranges = list[tuple[int, int]]
 
 
 class StaleTable:

@@ -1,14 +1,14 @@
 """Block-range operations on files: fallocate(2), SEEK_DATA/SEEK_HOLE and copy_file_range(2).
 
-They work on the filesystem's block maps with the same rules as writes and truncates
-(rpmemfs.fs.filesystem): new blocks are zeroed before any record maps them, freed blocks wait
-for the record that frees them to be durable, and every check that can fail runs before
-anything changes, so an error leaves the file as it was.
+They work on the files' block maps with the same rules as writes and truncates
+(rpmemfs.fs.data, rpmemfs.fs.changes): new blocks are zeroed before any record maps them,
+freed blocks wait for the record that frees them to be durable, and every check that can
+fail runs before anything changes, so an error leaves the file as it was.
 
 Preallocated blocks (fallocate, ZERO_RANGE) read as zeros and count in st_blocks; until
 written they are holes to SEEK_DATA/SEEK_HOLE, as ext4's unwritten extents are. Their MAP
 entries say so (MAP_PREALLOC); writes log nothing about it, and the mount takes back only
-those that still read as zeros (Filesystem._restore_unwritten).
+those that still read as zeros (rpmemfs.fs.recovery.restore_unwritten).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import errno
 
 from rpmemfs.fs import records as R
+from rpmemfs.fs.data import MAX_FILE_SIZE, NT_MIN, Data, NeedSync
 from rpmemfs.fs.errors import FsError
-from rpmemfs.fs.filesystem import MAX_FILE_SIZE, NT_MIN, Filesystem, NeedSync
 from rpmemfs.fs.inode import Inode
 from rpmemfs.pool.layout import BLOCK, BLOCK_SHIFT
 
@@ -40,12 +40,14 @@ _ZEROS = memoryview(bytes(1 << 20))
 
 
 class Extents:
-    """The range operations on one filesystem, and their counters. Preallocated blocks not
-    written since are the filesystem's ``unwritten`` (its writes clear them)."""
+    """The range operations on the files of one filesystem, and their counters. Preallocated
+    blocks not written since are the data's ``unwritten`` (its writes clear them)."""
 
-    def __init__(self, fs: Filesystem) -> None:
-        self.fs = fs
-        self.unwritten = fs.unwritten
+    def __init__(self, data: Data) -> None:
+        self.data = data
+        self.changes = data.changes
+        self.node = data.node
+        self.unwritten = data.unwritten
         self.copies = 0  # copy_file_range calls served
         self.copied = 0  # bytes they copied
 
@@ -70,7 +72,7 @@ class Extents:
             raise FsError(errno.EINVAL)
         if mode & ~(KEEP_SIZE | PUNCH_HOLE | ZERO_RANGE):
             raise FsError(errno.EOPNOTSUPP)  # collapse, insert, unshare, no-hide-stale, unknown
-        node = self.fs.node(ino)
+        node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if not node.is_reg:
@@ -87,19 +89,19 @@ class Extents:
     def _allocate(self, node: Inode, off: int, end: int, zero: bool, keep_size: bool) -> None:
         """Modes 0, KEEP_SIZE and ZERO_RANGE: map every block of the range (zeroed), and with
         ZERO_RANGE zero the bytes of the range in blocks mapped already."""
-        fs = self.fs
+        changes, alloc = self.changes, self.changes.alloc
         blocks = node.blocks
         first, last = off >> BLOCK_SHIFT, (end - 1) >> BLOCK_SHIFT
         mapped = sum(1 for b in blocks if first <= b <= last)
         need = last - first + 1 - mapped
-        if need > fs.alloc.free:  # before listing the range: it may be huge
-            if need <= fs.alloc.free + fs.alloc.pending_blocks:
+        if need > alloc.free:  # before listing the range: it may be huge
+            if need <= alloc.free + alloc.pending_blocks:
                 raise NeedSync
             raise FsError(errno.ENOSPC)
         missing = [b for b in range(first, last + 1) if b not in blocks] if need else []
         runs: list[tuple[int, int]] = []
         if missing:
-            runs = fs.alloc_blocks(len(missing))
+            runs = self.data.alloc_blocks(len(missing))
         # (file block, pool block) of every block that reads as zeros when this is done and
         # was not written: the new ones, and with ZERO_RANGE the whole blocks mapped already.
         pairs = list(zip(missing, (pb + k for pb, n in runs for k in range(n)), strict=True))
@@ -109,9 +111,9 @@ class Extents:
             pairs.sort()
         entries = _runs(pairs)
         try:
-            fs._room(len(entries) * R.MAP.size + R.INODE.size)
+            changes.room(len(entries) * R.MAP.size + R.INODE.size)
         except FsError:
-            fs.alloc.release(runs)
+            alloc.release(runs)
             raise
         # Nothing can fail from here on.
         if zero:
@@ -122,24 +124,24 @@ class Extents:
         for fb, pb, n in entries:
             for k in range(n):
                 blocks[fb + k] = pb + k
-            fs._map_change(node, R.map_run(node.ino, fb, pb, n, R.MAP_PREALLOC))
+            changes.map_change(node, R.map_run(node.ino, fb, pb, n, R.MAP_PREALLOC))
         if pairs:
             self.unwritten.setdefault(node.ino, set()).update(fb for fb, _pb in pairs)
         grows = not keep_size and end > node.size
         if grows:
-            fs._zero_tail(node, node.size, end)
+            self.data.zero_tail(node, node.size, end)
             node.size = end
         node.tick(mtime=grows or zero)  # ctime always, mtime when contents or size change
-        fs._touch(node)
+        changes.touch(node)
 
     def _punch(self, node: Inode, off: int, end: int) -> None:
         """PUNCH_HOLE|KEEP_SIZE: free the whole blocks of the range, zero the partial ones.
         As ext4, nothing past the block holding the end of file is punched."""
-        fs = self.fs
+        changes = self.changes
         if off >= node.size:
             return
         end = min(end, (node.size + BLOCK - 1) & ~(BLOCK - 1))
-        fs._room(R.UNMAP.size + R.INODE.size)
+        changes.room(R.UNMAP.size + R.INODE.size)
         whole_first = (off + BLOCK - 1) >> BLOCK_SHIFT
         whole_end = end >> BLOCK_SHIFT
         if whole_first >= whole_end:
@@ -159,13 +161,13 @@ class Extents:
                         runs[-1] = (runs[-1][0], runs[-1][1] + 1)
                     else:
                         runs.append((pb, 1))
-                fs.alloc.defer(runs)
-                fs._map_change(node, R.unmap(node.ino, whole_first, whole_end - whole_first))
+                changes.alloc.defer(runs)
+                changes.map_change(node, R.unmap(node.ino, whole_first, whole_end - whole_first))
                 uw = self.unwritten.get(node.ino)
                 if uw:
                     uw.difference_update(gone)
         node.tick(mtime=True)
-        fs._touch(node)
+        changes.touch(node)
 
     def _zero_mapped(self, node: Inode, off: int, end: int) -> None:
         """Zero the bytes [off, end) of the file where blocks are mapped (holes read as zeros)."""
@@ -184,19 +186,19 @@ class Extents:
 
     def _zero_pool(self, data_off: int, n: int) -> None:
         """Zero n bytes at data_off in the data region, listed for the next durability point."""
-        fs = self.fs
-        a = fs.data_off + data_off
-        nt = fs.copy_nt
+        data = self.data
+        a = data.data_off + data_off
+        nt = data.copy_nt
         if nt is not None and n >= NT_MIN:
             for k in range(0, n, len(_ZEROS)):
                 m = min(len(_ZEROS), n - k)
                 nt(a + k, _ZEROS[:m])
-            fs.nt_data.append((a, n))
+            self.changes.stored.append((a, n))
         else:
             for k in range(0, n, len(_ZEROS)):
                 m = min(len(_ZEROS), n - k)
-                fs.buf[a + k: a + k + m] = _ZEROS[:m]
-            fs.dirty_data.append((a, n))
+                data.buf[a + k: a + k + m] = _ZEROS[:m]
+            self.changes.data.append((a, n))
 
     # ---------------------------------------------------------------- SEEK_DATA / SEEK_HOLE
 
@@ -210,7 +212,7 @@ class Extents:
         """lseek(2) with SEEK_DATA or SEEK_HOLE, at block granularity as ext4: blocks never
         mapped, punched, or preallocated and not written are holes, and so is the end of
         file. ENXIO at or past the end of file, as ext4."""
-        node = self.fs.node(ino)
+        node = self.node(ino)
         if whence not in (SEEK_DATA, SEEK_HOLE):
             raise FsError(errno.EINVAL)
         size = node.size
@@ -245,12 +247,12 @@ class Extents:
         allocation, size and times as a write), and source holes stay holes where the
         destination has no blocks either. Returns the bytes copied, short when the pool
         fills up after some were (ENOSPC when none were) or past COPY_MAX."""
-        fs = self.fs
+        data = self.data
         if flags:
             raise FsError(errno.EINVAL)
         if off_in < 0 or off_out < 0 or length < 0:
             raise FsError(errno.EINVAL)
-        src, dst = fs.node(ino_in), fs.node(ino_out)
+        src, dst = self.node(ino_in), self.node(ino_out)
         if src.is_dir or dst.is_dir:
             raise FsError(errno.EISDIR)
         if not src.is_reg or not dst.is_reg:
@@ -264,28 +266,28 @@ class Extents:
         if ino_in == ino_out and off_in < off_out + n and off_out < off_in + n:
             raise FsError(errno.EINVAL)  # overlapping ranges of one file, as the VFS says
         done = 0
-        buf = fs.buf
+        buf = data.buf
         one_block = False  # after ENOSPC: copy what still fits, a block at a time
         while done < n:
             pos = off_in + done
             fb = pos >> BLOCK_SHIFT
             stop = min(off_in + n, (fb + 1) << BLOCK_SHIFT)
-            data = self._is_data(src, fb)
+            is_data = self._is_data(src, fb)
             pb = src.blocks.get(fb, 0)
             # extend the run while the source stays contiguous data (or holes)
             while stop < off_in + n and not one_block:
                 nfb = stop >> BLOCK_SHIFT
-                if data != self._is_data(src, nfb) or (data and src.blocks[nfb] != pb + nfb - fb):
+                if is_data != self._is_data(src, nfb) or (is_data and src.blocks[nfb] != pb + nfb - fb):
                     break
                 stop = min(off_in + n, stop + BLOCK)
             k = stop - pos
             to = off_out + done
             try:
-                if data:
-                    a = fs.data_off + (pb << BLOCK_SHIFT) + (pos & (BLOCK - 1))
-                    fs.write(ino_out, to, buf[a: a + k])
+                if is_data:
+                    a = data.data_off + (pb << BLOCK_SHIFT) + (pos & (BLOCK - 1))
+                    data.write(ino_out, to, buf[a: a + k])
                 elif any(to >> BLOCK_SHIFT <= b <= (to + k - 1) >> BLOCK_SHIFT for b in dst.blocks):
-                    fs.write(ino_out, to, bytes(k))  # zeros over the destination's blocks
+                    data.write(ino_out, to, bytes(k))  # zeros over the destination's blocks
             except FsError as e:
                 if e.errno != errno.ENOSPC:
                     raise
@@ -301,9 +303,9 @@ class Extents:
                 break  # a short copy; the next call makes the durability point
             done += k
         if off_out + done > dst.size:
-            fs.truncate(dst, off_out + done)  # the copy ended in a source hole
+            data.truncate(dst, off_out + done)  # the copy ended in a source hole
         dst.tick(mtime=True)
-        fs._touch(dst)
+        self.changes.touch(dst)
         self.copied += done
         return done
 

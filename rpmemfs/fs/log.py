@@ -6,11 +6,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rpmemfs.fs import records as R
+from rpmemfs.fs.record_format import ALIGN
 from rpmemfs.native import log_scan
 from rpmemfs.pool import position
 from rpmemfs.pool.layout import AREA_HDR_BYTES, AREA_RECORDS_OFF, AreaHeader, Header, PoolFormatError
-
-Ranges = list[tuple[int, int]]
+from rpmemfs.ranges import Ranges
 
 
 class LogFull(Exception):
@@ -48,9 +48,9 @@ def scan(buf: memoryview, hdr: Header) -> LogScan:
     area = buf[hdr.area_off(active): hdr.area_off(active) + hdr.area_size]
     off, seq = AREA_RECORDS_OFF, ah.start_seq
     pairs = log_scan(area, off, seq)
-    view, head = R.RecordView, R.REC_BYTES
+    view, head, m = R.RecordView, R.REC_BYTES, ALIGN - 1
     found = result.records = [
-        view(o, head + ((n + 7) & ~7), seq + i, area[o + head: o + head + n])
+        view(o, head + ((n + m) & ~m), seq + i, area[o + head: o + head + n])
         for i, (o, n) in enumerate(zip(pairs[::2], pairs[1::2], strict=True))]
     if found:
         off = found[-1].offset + found[-1].length

@@ -12,10 +12,9 @@ from rpmemfs import safeopen
 from rpmemfs.devdax import DaxDevice
 from rpmemfs.fs import records as R
 from rpmemfs.fs.errors import MkfsError
-from rpmemfs.fs.log import Ranges
 from rpmemfs.fs.replay import ROOT_INO
 from rpmemfs.pmem import PmemError, PoolMapping
-from rpmemfs.pool import place, position
+from rpmemfs.pool import position
 from rpmemfs.pool.layout import (
     AREA_RECORDS_OFF,
     BACKUP_OFF,
@@ -26,6 +25,8 @@ from rpmemfs.pool.layout import (
     plan,
 )
 from rpmemfs.pool.syncmap import format_map
+from rpmemfs.poolfile import place
+from rpmemfs.ranges import Ranges
 
 
 def format_pool(buf: memoryview, hdr: Header, uid: int, gid: int) -> Ranges:

@@ -1,7 +1,8 @@
 """Metadata log records and the entries inside them.
 
-A record is the unit of atomicity: a header (crc32c, payload length, sequence number) and a
-payload of entries, each 8-byte aligned. Replay applies a record whole or not at all; a record
+A record is the unit of atomicity: a header (crc32c, payload length, sequence number: its
+layout is record_format.py's, which the C log scan reads too) and a payload of entries, each
+8-byte aligned. Replay applies a record whole or not at all; a record
 whose checksum fails ends the log (a torn tail) unless intact records follow it (damage).
 Entries state facts ("inode 7 has these attributes", "block run 10..20 of inode 7 is at pool
 block 900"), so replaying a snapshot and then the log yields the same state as the live index.
@@ -13,11 +14,14 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from rpmemfs.fs.record_format import ALIGN, CRC_FROM, HEADER, HEADER_FIELDS
 from rpmemfs.native import crc32c
 
-REC = struct.Struct("<IIQ")  # crc, payload length, seq
+REC = HEADER  # crc, payload length, seq
 REC_BYTES = REC.size
-_LEN_SEQ = struct.Struct("<IQ")
+_CRC = struct.Struct("<" + HEADER_FIELDS[0][1])
+_LEN_SEQ = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS[1:]))  # what the CRC covers
+_MASK = ALIGN - 1
 
 T_INODE = 1
 T_LINK = 2      # directory entry added
@@ -57,7 +61,7 @@ UNMAP = struct.Struct("<BxxxxxxxQQQ")
 
 
 def _pad(n: int) -> int:
-    return (n + 7) & ~7
+    return (n + _MASK) & ~_MASK
 
 
 def _tail(raw: bytes) -> bytes:
@@ -114,7 +118,7 @@ def frame(seq: int, payload: bytes) -> bytes:
     """A whole record, padded to 8 bytes, ready to copy into a log area."""
     head = _LEN_SEQ.pack(len(payload), seq)
     crc = crc32c(payload, crc32c(head))
-    return struct.pack("<I", crc) + head + _tail(payload)
+    return _CRC.pack(crc) + head + _tail(payload)
 
 
 class RecordView(NamedTuple):
@@ -133,7 +137,7 @@ def read_record(area: memoryview, off: int, seq: int) -> RecordView | None:
     if got_seq != seq or length == 0 or off + REC_BYTES + length > len(area):
         return None
     # The CRC covers length, seq and payload, which lie side by side.
-    if crc32c(area[off + 4: off + REC_BYTES + length]) != want:
+    if crc32c(area[off + CRC_FROM: off + REC_BYTES + length]) != want:
         return None
     return RecordView(off, REC_BYTES + _pad(length), seq, area[off + REC_BYTES: off + REC_BYTES + length])
 
@@ -145,7 +149,7 @@ def find_later_record(area: memoryview, off: int, seq: int, window: int = 256 <<
     follows) from damage in the middle of the log (intact, newer records follow).
     """
     end = min(len(area) - REC_BYTES, off + window)
-    probes: list[int] | range = range(off + 8, end + 1, 8)
+    probes: list[int] | range = range(off + ALIGN, end + 1, ALIGN)
     if off + REC_BYTES <= len(area):  # the damaged record's own length, when it is plausible
         _crc, length, _seq = REC.unpack_from(area, off)
         nxt = off + REC_BYTES + _pad(length)

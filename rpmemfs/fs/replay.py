@@ -1,12 +1,18 @@
-"""Rebuilding the in-memory index from log records (used by mount and by check)."""
+"""The in-memory index, rebuilt from log records (by mount and by check).
+
+A mounted filesystem goes on using the index replay made: every module of it
+(rpmemfs.fs.filesystem) finds inodes through the same one.
+"""
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 from typing import Any
 
 from rpmemfs.fs import records as R
 from rpmemfs.fs.bulk import apply_links, apply_pairs
+from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.inode import Inode
 
 ROOT_INO = 1
@@ -21,6 +27,20 @@ class Index:
         self.problems: list[str] = []
         # inode -> file blocks last mapped with MAP_PREALLOC (fallocate), not unmapped since
         self.prealloc: dict[int, set[int]] = {}
+
+    def node(self, ino: int) -> Inode:
+        """The inode, or ENOENT."""
+        node = self.inodes.get(ino)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    def directory(self, ino: int) -> Inode:
+        """The directory, or ENOENT or ENOTDIR."""
+        node = self.node(ino)
+        if node.children is None:
+            raise FsError(errno.ENOTDIR)
+        return node
 
     def apply(self, payloads: Iterable[memoryview]) -> int:
         """Apply every entry of every payload in order; returns the number of entries.

@@ -36,6 +36,7 @@ from rpmemfs.replica.spec import PoolSetError, poolset_at
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import VerifyReport, content_size, pool_chunk
 from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.transport.tokens import TokenError, chosen_token
 
 log = logging.getLogger("rpmemfs.mount")
@@ -212,7 +213,8 @@ class Mounted:
             token = chosen_token(self.mo.token_file, self.table_token_file)
         except (TokenError, OSError) as e:
             raise MountError(f"token file {self.token_file}: {e}") from None
-        probes = await probe_replicas(self.specs, token, self.mo.replica_timeout)
+        wp = self.mo.wire_protection or DEFAULT_PROTECTION  # every connection to a target asks for it
+        probes = await probe_replicas(self.specs, token, self.mo.replica_timeout, wire_protection=wp)
         newer = [p for p in probes if p.newer_than(self.prev_epoch)]
         takeover = self.mo.takeover
         if newer and takeover:
@@ -247,7 +249,7 @@ class Mounted:
         self._begin(epoch)
         rs = await ReplicaSet.open(self.specs, self.mapping.buf, self.fs.hdr.uuid, token,
                                    timeout=self.mo.replica_timeout, min_replicas=self.min_replicas,
-                                   syncmap=self.syncmap,
+                                   syncmap=self.syncmap, wire_protection=wp,
                                    # after a takeover this pool's lineage starts at its new epoch:
                                    # a replica reached later is claimed like promote's are
                                    epoch=(epoch, epoch) if takeover else (self.prev_epoch, epoch),
@@ -274,7 +276,7 @@ class Mounted:
         self.membership = Membership(self.pool, self.specs, rs, self.durability, table, self.mapping.buf,
                                      self.fs.hdr.uuid, (self.prev_epoch, epoch), token,
                                      self.mo.replica_timeout, self.table_token_file,
-                                     self._set_min_replicas, self.mo.min_replicas is None)
+                                     self._set_min_replicas, self.mo.min_replicas is None, wp)
 
     def reload_token(self) -> None:
         """SIGHUP: read the token file again, for every connection to a target from now on
@@ -435,10 +437,10 @@ class Mounted:
     def _serve_metrics(self) -> Callable[[], None]:
         if self.mo.metrics is None:
             return lambda: None
-        from rpmemfs.metrics import mount_families, serve_snapshots
+        from rpmemfs.mountd.metrics import serve_mount_metrics
 
         try:
-            return serve_snapshots(self.mo.metrics, self.metrics_snapshot, mount_families)
+            return serve_mount_metrics(self.mo.metrics, self.metrics_snapshot)
         except OSError as e:
             # Metrics are for watching the mount, not a reason to refuse it.
             log.error("metrics: cannot serve on %s: %s", self.mo.metrics.url(), e.strerror or e)

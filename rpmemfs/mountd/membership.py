@@ -37,6 +37,7 @@ from rpmemfs.replica.replica import IN_SYNC, Replica
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import TableError, encode_table
 from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 log = logging.getLogger("rpmemfs.mount")
 
@@ -60,6 +61,7 @@ class Membership:
     token_file: str | None
     min_replicas: Callable[[int], None]  # tells the mount its policy's new value
     policy_all: bool  # min_replicas was not given: every replica (counted once in sync)
+    wire_protection: str = DEFAULT_PROTECTION  # what connections to a new replica's target ask for
 
     async def request(self, args: list[str], send: control.Send, min_replicas: int) -> dict[str, Any]:
         """The control request `replica add|remove ADDRESS/NAME [force]`."""
@@ -77,13 +79,14 @@ class Membership:
         problem = self._addable(spec)
         if problem:
             return {"error": problem}
-        probe = await probe_one(spec, self.token, self.timeout)
+        probe = await probe_one(spec, self.token, self.timeout, wire_protection=self.wire_protection)
         if probe.error and "does not exist" in probe.error:
             try:
                 with trio.fail_after(self.timeout):
                     # The header (with the uuid) is enough: the resync compares the rest.
                     await self.replicas.create_remote(spec, len(self.buf), self.buf, [(0, AREAS_OFF)],
-                                                      token=self.token, timeout=self.timeout)
+                                                      token=self.token, timeout=self.timeout,
+                                                      wire_protection=self.wire_protection)
             except (TransportError, trio.TooSlowError, ValueError) as exc:
                 return {"error": f"replica {spec}: cannot create it on its target: {exc}"}
             created = True

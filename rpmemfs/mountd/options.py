@@ -46,7 +46,7 @@ class MountOptions:
     metrics_key: str | None = None
     metrics_client_ca: str | None = None
     metrics: MetricsEndpoint | None = None  # where and how to serve them: made from the four above
-    wire_protection: str | None = None  # None: the process's (aead unless told otherwise)
+    wire_protection: str | None = None  # None: the command's --wire-protection, else aead
     extra: list[str] = field(default_factory=list)
 
 

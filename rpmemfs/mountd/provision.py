@@ -15,6 +15,7 @@ from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import write_table
 from rpmemfs.transport.base import DEFAULT_TIMEOUT
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 
 def record_replicas(path: str, specs: list[ReplicaSpec], token_file: str | None) -> None:
@@ -24,7 +25,7 @@ def record_replicas(path: str, specs: list[ReplicaSpec], token_file: str | None)
 
 
 def create_replicas(path: str, size: int, specs: list[ReplicaSpec], token: bytes | None,
-                    timeout: float = DEFAULT_TIMEOUT) -> None:
+                    timeout: float = DEFAULT_TIMEOUT, wire_protection: str = DEFAULT_PROTECTION) -> None:
     """Create one pool per replica, in parallel, holding the new local pool's contents; all
     or none: when one cannot be made, those that were are removed again (ProvisionError says
     why, and whether that removal failed somewhere)."""
@@ -35,7 +36,8 @@ def create_replicas(path: str, size: int, specs: list[ReplicaSpec], token: bytes
 
         async def one(spec: ReplicaSpec) -> None:
             try:
-                await create_remote(spec, size, pm.buf, ranges, token=token, timeout=timeout)
+                await create_remote(spec, size, pm.buf, ranges, token=token, timeout=timeout,
+                                    wire_protection=wire_protection)
                 made.append(spec)
             except Exception as e:  # each replica's failure is reported, none hides another
                 errors.append(f"replica {spec}: {e}")
@@ -43,7 +45,7 @@ def create_replicas(path: str, size: int, specs: list[ReplicaSpec], token: bytes
         async def undo(spec: ReplicaSpec) -> None:
             try:
                 with trio.fail_after(timeout):
-                    async with await transport_for(spec.transport).connect(
+                    async with await transport_for(spec.transport, wire_protection=wire_protection).connect(
                             spec.address, token, lanes=0, timeout=timeout) as session:
                         await session.remove_pool(spec.name)
             except Exception as e:
@@ -66,7 +68,8 @@ def create_replicas(path: str, size: int, specs: list[ReplicaSpec], token: bytes
 
 def create_pool(path: str, size: int, specs: list[ReplicaSpec], *, token: bytes | None = None,
                 token_file: str | None = None, force: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> Header:
+                progress: Callable[[int, int], None] | None = None,
+                wire_protection: str = DEFAULT_PROTECTION) -> Header:
     """mkfs the local pool, record its replicas in it, and create them on their targets.
 
     MkfsError when the local pool cannot be made; ProvisionError when some replica could not
@@ -76,7 +79,7 @@ def create_pool(path: str, size: int, specs: list[ReplicaSpec], *, token: bytes 
     if specs:
         try:
             record_replicas(path, specs, token_file)
-            create_replicas(path, size, specs, token)
+            create_replicas(path, size, specs, token, wire_protection=wire_protection)
         except BaseException:
             # Half a replicated pool is no pool: nothing is left to mount, or to need --force.
             remove_pool(path)

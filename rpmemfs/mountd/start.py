@@ -16,15 +16,17 @@ from rpmemfs.mountd.daemon import Mounted
 from rpmemfs.mountd.errors import MountError
 from rpmemfs.mountd.options import MountOptions, parse_options
 from rpmemfs.sdnotify import notify
-from rpmemfs.transport import protection
 
 log = logging.getLogger("rpmemfs.mount")
 
 
-def run(pool: str, mountpoint: str, opts: list[str], foreground: bool) -> int:
+def run(pool: str, mountpoint: str, opts: list[str], foreground: bool,
+        wire_protection: str | None = None) -> int:
+    """Mount ``pool``; ``wire_protection`` is the command's --wire-protection, which the
+    mount option of that name overrides."""
     mo = parse_options(opts)
-    if mo.wire_protection is not None:
-        protection.set_initiator(mo.wire_protection)  # every connection of this mount, and its children
+    if mo.wire_protection is None:
+        mo.wire_protection = wire_protection  # carried in the options, to the forked daemon too
     logs.setup(mo.log_level, _log_file(mo.log_file) if mo.log_file else None)
     if foreground:
         m = Mounted(pool, mountpoint, mo)

@@ -8,9 +8,9 @@ first, so that a crash in between leaves at least one intact copy of either vers
 from __future__ import annotations
 
 from rpmemfs.pool.layout import BACKUP_OFF, HEADER_BYTES, HEADER_OFF, Header, PoolFormatError
+from rpmemfs.ranges import Ranges
 
 Buffer = bytes | bytearray | memoryview
-Ranges = list[tuple[int, int]]
 
 
 def read_header(buf: Buffer) -> tuple[Header, list[str]]:

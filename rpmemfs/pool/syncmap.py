@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from rpmemfs.native import crc32c
 from rpmemfs.pool.layout import BLOCK, MAP_SLOTS, Header
+from rpmemfs.ranges import Ranges
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,6 @@ HEAD_BYTES = _HEAD.size + _CRC.size
 LINE = 64
 _PAGE = 4096
 _ZERO_PAGE = bytes(_PAGE)
-
-Ranges = list[tuple[int, int]]
-
 
 def encode_head(flags: int, epoch: int, slot_flags: Sequence[int]) -> bytes:
     body = _HEAD.pack(MAGIC, flags, 0, epoch, bytes(slot_flags))

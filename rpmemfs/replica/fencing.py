@@ -30,6 +30,7 @@ from rpmemfs.printable import printable
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import Transport, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 
 @dataclass
@@ -93,8 +94,9 @@ def read_probe(spec: ReplicaSpec, reply: Mapping[str, Any]) -> Probe:
 
 
 async def probe_one(spec: ReplicaSpec, token: bytes | None, timeout: float,
-                    transport: Transport | None = None) -> Probe:
-    tp = transport or transport_for(spec.transport)
+                    transport: Transport | None = None, *,
+                    wire_protection: str = DEFAULT_PROTECTION) -> Probe:
+    tp = transport or transport_for(spec.transport, wire_protection=wire_protection)
     try:
         with trio.fail_after(timeout):
             async with await tp.connect(spec.address, token, lanes=0, timeout=timeout) as session:
@@ -106,12 +108,13 @@ async def probe_one(spec: ReplicaSpec, token: bytes | None, timeout: float,
 
 
 async def probe_replicas(specs: list[ReplicaSpec], token: bytes | None, timeout: float,
-                         transport: Transport | None = None) -> list[Probe]:
+                         transport: Transport | None = None, *,
+                         wire_protection: str = DEFAULT_PROTECTION) -> list[Probe]:
     """Ask every replica who owns it, in parallel; one Probe per spec, in order."""
     results: list[Probe | None] = [None] * len(specs)
 
     async def one(i: int, spec: ReplicaSpec) -> None:
-        results[i] = await probe_one(spec, token, timeout, transport)
+        results[i] = await probe_one(spec, token, timeout, transport, wire_protection=wire_protection)
 
     async with trio.open_nursery() as nursery:
         for i, spec in enumerate(specs):

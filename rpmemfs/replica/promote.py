@@ -39,9 +39,10 @@ import trio
 from rpmemfs import safeopen
 from rpmemfs.holders import busy
 from rpmemfs.pmem import PmemError, PoolMapping
-from rpmemfs.pool import place, position
+from rpmemfs.pool import position
 from rpmemfs.pool.header import read_header, write_header
 from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
+from rpmemfs.poolfile import place
 from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
 from rpmemfs.replica.repair import (
     RepairError,
@@ -56,13 +57,15 @@ from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import chunk_of, count_chunks, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 Progress = Callable[[int, int], None]
 
 
 async def _claim(spec: ReplicaSpec, token: bytes | None, epoch: int, who: dict[str, Any],
-                 timeout: float, lanes: int = 0) -> tuple[Session, RemoteRegion]:
-    session = await transport_for(spec.transport).connect(spec.address, token, lanes=lanes, timeout=timeout)
+                 timeout: float, wire_protection: str, lanes: int = 0) -> tuple[Session, RemoteRegion]:
+    tp = transport_for(spec.transport, wire_protection=wire_protection)
+    session = await tp.connect(spec.address, token, lanes=lanes, timeout=timeout)
     try:
         region = await session.open_pool(spec.name, (epoch, epoch), holder=who, takeover=True)
     except BaseException:
@@ -107,16 +110,19 @@ def _refuse_destination(pool: str, hdr: Header, force: bool) -> None:
 
 async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
                        unfinished_resync: bool = False, progress: Progress | None = None,
-                       timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-    """Make ``pool`` the primary of ``source``'s replica set (see the module's text)."""
+                       timeout: float = DEFAULT_TIMEOUT,
+                       wire_protection: str = DEFAULT_PROTECTION) -> dict[str, Any]:
+    """Make ``pool`` the primary of ``source``'s replica set (see the module's text); every
+    connection to a target asks for ``wire_protection``."""
     t0 = time.monotonic()
     who = holder(os.path.abspath(pool), command="promote")
+    wp = wire_protection
     try:
-        src_probe = (await probe_replicas([source], token, timeout))[0]
+        src_probe = (await probe_replicas([source], token, timeout, wire_protection=wp))[0]
         if src_probe.error:
             raise RepairError(src_probe.error)
         refuse_unfinished(src_probe, unfinished_resync)
-        async with await transport_for(source.transport).connect(
+        async with await transport_for(source.transport, wire_protection=wp).connect(
                 source.address, token, lanes=1, timeout=timeout) as peek:
             region = await peek.open_pool(source.name)
             hdr, head = await source_header(peek.lanes[0], region, source, timeout)
@@ -128,15 +134,16 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         _refuse_destination(pool, hdr, force)
         others = [s for s in specs if str(s) != str(source)]
         specs_by_name = {str(s): s for s in specs}
-        probes = [src_probe, *await probe_replicas(others, token, timeout)]
+        probes = [src_probe, *await probe_replicas(others, token, timeout, wire_protection=wp)]
         seen = [hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)]
         epoch = new_epoch(seen)
         # Fence first: once a replica recorded this claim, the old primary cannot write it.
         held = {str(source): position.decode(head[position.POSITION_OFF:])}
         try:
-            claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout, held)
+            claimed, unreachable = await _claim_others(others, probes[1:], token, epoch, who, timeout, held,
+                                                       wp)
             with trio.fail_after(timeout):
-                session, region = await _claim(source, token, epoch, who, timeout, lanes=1)
+                session, region = await _claim(source, token, epoch, who, timeout, wp, lanes=1)
             async with session:
                 copied, compared, differing = await _copy(pool, hdr, session, region, force, progress,
                                                           timeout)
@@ -147,11 +154,12 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
                         await session.mark_resync(region, False)
         except TransportError:
             # Fenced mid-way (the copy's registration taken away) by a takeover that won?
-            await _check_still_held(specs, token, epoch, timeout)
+            await _check_still_held(specs, token, epoch, timeout, wp)
             raise
         # A takeover with a higher epoch may have come meanwhile: then it won, and this one
         # says so rather than hand the operator a primary whose mount would be refused.
-        await _check_still_held([specs_by_name[s] for s in [str(source), *claimed]], token, epoch, timeout)
+        await _check_still_held([specs_by_name[s] for s in [str(source), *claimed]], token, epoch, timeout,
+                                wp)
     except TransportError as exc:
         raise RepairError(f"promote stopped: {exc}") from None
     except trio.TooSlowError:
@@ -180,15 +188,15 @@ def behind(source: str, held: dict[str, position.Position | None]) -> dict[str, 
 
 
 async def _check_still_held(specs: list[ReplicaSpec], token: bytes | None, epoch: int,
-                            timeout: float) -> None:
-    for p in await probe_replicas(specs, token, timeout):
+                            timeout: float, wire_protection: str) -> None:
+    for p in await probe_replicas(specs, token, timeout, wire_protection=wire_protection):
         if p.error is None and p.epoch is not None and p.epoch > epoch:
             raise RepairError(f"another takeover won: replica {p.spec} is held by {p.owned_by()}")
 
 
 async def _claim_others(specs: list[ReplicaSpec], probes: list[Probe], token: bytes | None, epoch: int,
-                        who: dict[str, Any], timeout: float, held: dict[str, position.Position | None]
-                        ) -> tuple[list[str], dict[str, str]]:
+                        who: dict[str, Any], timeout: float, held: dict[str, position.Position | None],
+                        wire_protection: str) -> tuple[list[str], dict[str, str]]:
     claimed: list[str] = []
     unreachable: dict[str, str] = {}
     for spec, probe in zip(specs, probes, strict=True):
@@ -197,7 +205,7 @@ async def _claim_others(specs: list[ReplicaSpec], probes: list[Probe], token: by
             continue
         try:
             with trio.fail_after(timeout):
-                session, region = await _claim(spec, token, epoch, who, timeout, lanes=1)
+                session, region = await _claim(spec, token, epoch, who, timeout, wire_protection, lanes=1)
                 async with session:
                     raw = await session.lanes[0].read(region, position.POSITION_OFF, position.SIZE)
                 held[str(spec)] = position.decode(raw)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import trio
 
 from rpmemfs.pool.layout import AREAS_OFF, BLOCK, Header
+from rpmemfs.ranges import Ranges, merge_ranges
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError, coalesce
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 _SCAN = 1 << 20
 _ZERO_SCAN = bytes(_SCAN)
 _ZERO_BLOCK = bytes(BLOCK)
 
 
-def metadata_ranges(buf: memoryview) -> list[tuple[int, int]]:
+def metadata_ranges(buf: memoryview) -> Ranges:
     """The non-zero blocks below the data region of a pool: what a new replica needs.
 
     mkfs zero-fills the pool and a target creates replica pools zero-filled, so copying the
@@ -22,7 +24,7 @@ def metadata_ranges(buf: memoryview) -> list[tuple[int, int]]:
     records) reproduces a fresh pool exactly, without parsing the log.
     """
     end = Header.decode(buf).data_off
-    found: list[tuple[int, int]] = []
+    found: Ranges = []
     for base in range(0, end, _SCAN):
         n = min(_SCAN, end - base)
         if buf[base : base + n] == _ZERO_SCAN[:n]:
@@ -30,7 +32,7 @@ def metadata_ranges(buf: memoryview) -> list[tuple[int, int]]:
         for off in range(base, base + n, BLOCK):
             if buf[off : off + BLOCK] != _ZERO_BLOCK:
                 found.append((off, BLOCK))
-    return coalesce(found)
+    return merge_ranges(found)
 
 
 def _split(ranges: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -56,6 +58,7 @@ async def create_remote(
     token: bytes | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     transport: Transport | None = None,
+    wire_protection: str = DEFAULT_PROTECTION,
 ) -> RemoteRegion:
     """Create the replica pool ``spec`` of ``size`` bytes and copy ``ranges`` of ``local_buf``.
 
@@ -67,7 +70,7 @@ async def create_remote(
     if size != len(local_buf):
         raise ValueError(f"replica size {size} differs from the local pool's {len(local_buf)} bytes")
     headers, body = _split(ranges, AREAS_OFF)
-    tp = transport or transport_for(spec.transport)
+    tp = transport or transport_for(spec.transport, wire_protection=wire_protection)
     with trio.fail_after(timeout):
         session = await tp.connect(spec.address, token, lanes=1, timeout=timeout)
     async with session:

@@ -20,10 +20,10 @@ import trio
 
 from rpmemfs import safeopen
 from rpmemfs.pmem import PoolMapping
-from rpmemfs.pool import place
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, Header, PoolFormatError
 from rpmemfs.pool.syncmap import SyncMap, format_map
+from rpmemfs.poolfile import place
 from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.fencing import Probe, probe_one
 from rpmemfs.replica.replica import IN_SYNC
@@ -33,6 +33,7 @@ from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import chunk_of, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, Lane, RemoteRegion, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.units import count
 
 READ_STEP = 4 << 20  # bytes per read while recovering
@@ -79,7 +80,8 @@ def format_sync(report: dict[str, Any]) -> str:
 
 
 async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], token: bytes | None,
-                    progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT) -> SyncReport:
+                    progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT,
+                    wire_protection: str = DEFAULT_PROTECTION) -> SyncReport:
     """Verify-and-repair every replica of an unmounted pool."""
     buf = mapping.buf
     try:
@@ -91,7 +93,8 @@ async def sync_pool(pool: str, mapping: PoolMapping, specs: list[ReplicaSpec], t
     for slot in range(len(specs)):
         syncmap.set_full(slot)  # compare everything, whatever the map says
     rs = await ReplicaSet.open(specs, buf, hdr.uuid, token, lanes=1, timeout=timeout, min_replicas=0,
-                               syncmap=syncmap, epoch=(hdr.epoch, hdr.epoch), progress=progress)
+                               syncmap=syncmap, epoch=(hdr.epoch, hdr.epoch), progress=progress,
+                               wire_protection=wire_protection)
     try:
         table = inspect_table(buf)
         stale = [str(r.spec) for r in rs.replicas if r.state is not IN_SYNC]
@@ -125,7 +128,7 @@ def refuse_unfinished(probe: Probe, allowed: bool) -> None:
 
 def make_destination(path: str, size: int, force: bool) -> None:
     """Ready ``path`` to take a whole pool of ``size`` bytes: a new pool file (with ``force``
-    in place of the file there), or a device DAX the pool fits on (pool/place.py)."""
+    in place of the file there), or a device DAX the pool fits on (poolfile/place.py)."""
     try:
         place.prepare(path, size, force)
     except place.PlaceError as exc:
@@ -168,15 +171,16 @@ async def read_runs(lane: Lane, region: RemoteRegion, buf: memoryview, runs: lis
 async def recover_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
                        unfinished_resync: bool = False,
                        progress: Callable[[int, int], None] | None = None,
-                       timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+                       timeout: float = DEFAULT_TIMEOUT,
+                       wire_protection: str = DEFAULT_PROTECTION) -> dict[str, Any]:
     """Rebuild the local pool at ``pool`` from the replica ``source``."""
     t0 = time.monotonic()
-    probe = await probe_one(source, token, timeout)
+    probe = await probe_one(source, token, timeout, wire_protection=wire_protection)
     if probe.error:
         raise RepairError(probe.error)
     refuse_unfinished(probe, unfinished_resync)
     try:
-        async with await transport_for(source.transport).connect(
+        async with await transport_for(source.transport, wire_protection=wire_protection).connect(
                 source.address, token, lanes=1, timeout=timeout) as session:
             region = await session.open_pool(source.name)
             lane = session.lanes[0]

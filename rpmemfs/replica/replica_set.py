@@ -31,6 +31,7 @@ from rpmemfs.replica.verify import ReplicaReport
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport
 from rpmemfs.transport.choose import transport_for
 from rpmemfs.transport.probe import accepts_connections
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 # What callers imported from here before the set was split by job.
 __all__ = [
@@ -100,6 +101,7 @@ class ReplicaSet(Barriers):
         *,
         min_replicas: int | None = None,
         transport: Transport | None = None,
+        wire_protection: str = DEFAULT_PROTECTION,
         syncmap: SyncMap | None = None,
         lock: trio.Lock | None = None,
         epoch: tuple[int, int] | None = None,
@@ -131,7 +133,7 @@ class ReplicaSet(Barriers):
         self.token = token
 
         async def connect(replica: Replica) -> tuple[Session, RemoteRegion]:
-            tp = transport or transport_for(replica.spec.transport)
+            tp = transport or transport_for(replica.spec.transport, wire_protection=wire_protection)
             # self.token, not token: the mount rereads its token file on SIGHUP.
             return await open_session(replica, tp, len(local_buf), uuid, self.token, lanes, epoch,
                                       self.timeout, holder, opening[0])

@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.replica.errors import ReplicationError
-from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.units import parse_size
 

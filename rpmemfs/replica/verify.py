@@ -25,10 +25,10 @@ import trio
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import Header, PoolFormatError
-from rpmemfs.progress import ProgressBar
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.units import count
 
 # The chunk pools are compared in, at least: a checksum per 64 KiB keeps a whole-pool compare
@@ -158,11 +158,12 @@ def content_size(buf: memoryview) -> int:
 async def verify_replica(
     spec: ReplicaSpec, buf: memoryview, token: bytes | None, chunk: int,
     progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT,
+    wire_protection: str = DEFAULT_PROTECTION,
 ) -> ReplicaReport:
     report = ReplicaReport(str(spec))
     size = len(buf)
     try:
-        async with await transport_for("tcp").connect(
+        async with await transport_for("tcp", wire_protection=wire_protection).connect(
                 spec.address, token, lanes=0, timeout=timeout) as session:
             region = await session.open_pool(spec.name)
             if region.size != size:
@@ -179,24 +180,23 @@ async def verify_replica(
 
 
 async def verify(pool: str, buf: memoryview, specs: list[ReplicaSpec], token: bytes | None,
-                 chunk: int | None = None) -> VerifyReport:
+                 chunk: int | None = None, progress: Callable[[int], None] = lambda _n: None,
+                 wire_protection: str = DEFAULT_PROTECTION) -> VerifyReport:
     """Every replica compared with the local pool, in parallel, by chunks of ``chunk`` bytes
-    (default: the pool's chunk, the one sync counts in)."""
+    (default: the pool's chunk, the one sync counts in); ``progress`` is told the bytes
+    compared as they are, content_size(buf) per replica in all."""
     chunk = chunk or pool_chunk(buf)
     report = VerifyReport(pool, len(buf), chunk)
-    progress = ProgressBar("verify", content_size(buf) * len(specs))
     t0 = time.monotonic()
     results: dict[int, ReplicaReport] = {}
 
     async def one(i: int, spec: ReplicaSpec) -> None:
-        results[i] = await verify_replica(spec, buf, token, chunk, progress)
+        results[i] = await verify_replica(spec, buf, token, chunk, progress,
+                                          wire_protection=wire_protection)
 
-    try:
-        async with trio.open_nursery() as nursery:
-            for i, spec in enumerate(specs):
-                nursery.start_soon(one, i, spec)
-    finally:
-        progress.close()
+    async with trio.open_nursery() as nursery:
+        for i, spec in enumerate(specs):
+            nursery.start_soon(one, i, spec)
     report.replicas = [results[i] for i in range(len(specs))]
     report.seconds = time.monotonic() - t0
     return report

@@ -14,6 +14,7 @@ from typing import Any
 from rpmemfs.latency import BOUNDS_S, bucket_quantile
 from rpmemfs.printable import printable
 from rpmemfs.transport.address import parse_address
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.transport.tcp import connect
 from rpmemfs.units import count, human
 
@@ -29,9 +30,11 @@ def plain_address(address: str) -> str:
     return address
 
 
-async def ask(address: str, token: bytes | None, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+async def ask(address: str, token: bytes | None, request: dict[str, Any], timeout: float,
+              wire_protection: str = DEFAULT_PROTECTION) -> dict[str, Any]:
     """One control request to the target at ``address`` (its control port is TCP always)."""
-    async with await connect(plain_address(address), token, lanes=0, timeout=timeout) as session:
+    async with await connect(plain_address(address), token, lanes=0, timeout=timeout,
+                             wire_protection=wire_protection) as session:
         return await session.control(request)
 
 

@@ -19,8 +19,8 @@ import trio
 from rpmemfs.native import crc32c
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import BLOCK, show_epoch
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.target.authz import Grant, TokenBook
-from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.owners import Owner, OwnerBook, clean_holder, refusal
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.quota import Quotas

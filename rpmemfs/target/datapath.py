@@ -23,9 +23,10 @@ import os
 import trio
 
 from rpmemfs.native import lib
+from rpmemfs.ranges import merge_ranges
 from rpmemfs.target.control import ControlService
 from rpmemfs.target.lane_native import NativeLane
-from rpmemfs.target.pools import Pool, merge_ranges
+from rpmemfs.target.pools import Pool
 from rpmemfs.target.sessions import Region, TargetSession
 from rpmemfs.transport.sockio import SockIO, record_error
 from rpmemfs.transport.stream import STAGING_SIZE, FrameReader, PeerClosed, send_all

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rpmemfs.pool.layout import epoch_gen, show_epoch
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.printable import printable
-from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pooldir import PoolDir
 
 log = logging.getLogger("rpmemfs.target.owners")

@@ -28,8 +28,8 @@ from rpmemfs.devdax import DaxDevice, DevDaxError, probe
 from rpmemfs.holders import describe_process, lock_holders
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.layout import BACKUP_OFF, HEADER_BYTES
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.target.errors import TargetError
-from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pooldir import PoolDir
 from rpmemfs.units import human
 

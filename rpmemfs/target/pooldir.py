@@ -17,8 +17,8 @@ import errno
 import os
 import stat
 
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.target.errors import TargetError
-from rpmemfs.target.names import PoolNameError, check_name
 
 
 class PoolDirError(TargetError):

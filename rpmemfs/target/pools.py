@@ -15,8 +15,8 @@ from rpmemfs.native import ffi, lib
 from rpmemfs.pmem import PmemError, PoolMapping
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import Header
+from rpmemfs.poolname import PoolNameError
 from rpmemfs.target.errors import TargetError
-from rpmemfs.target.names import PoolNameError
 from rpmemfs.target.pooldevs import PoolDevError, PoolDevices
 from rpmemfs.target.pooldir import PoolDir
 from rpmemfs.units import human
@@ -29,19 +29,6 @@ PAGE = 4096
 # costs far more per byte than writing back cache lines, hence two bounds.
 THREAD_PERSIST_MIN = 1 << 20
 THREAD_FLUSH_MIN = 16 << 20
-
-
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The same bytes as ``ranges``, sorted, empty ones dropped, overlapping or touching ones
-    joined: a flush list that names one region many times costs one write-back of it."""
-    out: list[tuple[int, int]] = []
-    for off, length in sorted(r for r in ranges if r[1]):
-        if out and off <= out[-1][0] + out[-1][1]:
-            start, prev = out[-1]
-            out[-1] = (start, max(prev, off + length - start))
-        else:
-            out.append((off, length))
-    return out
 
 
 class PoolError(TargetError):

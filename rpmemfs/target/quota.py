@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.target.authz import Grant
-from rpmemfs.target.names import PoolNameError, check_name
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.units import count, human
 

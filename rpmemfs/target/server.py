@@ -144,10 +144,10 @@ class Server:
     def _serve_metrics(self) -> Callable[[], None]:
         if self.config.metrics is None:
             return lambda: None
-        from rpmemfs.metrics import serve_snapshots, target_families
+        from rpmemfs.target.metrics import serve_target_metrics
 
         try:
-            return serve_snapshots(self.config.metrics, self.metrics_snapshot, target_families)
+            return serve_target_metrics(self.config.metrics, self.metrics_snapshot)
         except OSError as exc:
             raise SystemExit(f"rpmemfs: cannot serve metrics on {self.config.metrics.url()}: "
                              f"{exc.strerror or exc}") from None

@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from rpmemfs.native import ffi
-from rpmemfs.target.pools import merge_ranges
+from rpmemfs.ranges import merge_ranges
 from rpmemfs.target.sessions import SessionTable, TargetSession
 from rpmemfs.transport.wire import NATIVE_FLUSHES, REGION_FLUSH_TYPES
 

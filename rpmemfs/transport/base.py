@@ -1,4 +1,5 @@
-"""The one interface every transport implements (TCP now, verbs later), and what it trades in.
+"""The one interface every transport implements (TCP: tcp.py; verbs: verbs.py), and what it
+trades in.
 
 The model is RDMA's reliable connection: a session with a target holds registered regions
 (remote pools, each named by a 32-bit key) and several lanes. A lane is one ordered stream,
@@ -9,7 +10,7 @@ general-purpose method) completes only after every earlier write on that lane is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from types import TracebackType
@@ -281,29 +282,3 @@ def check_range(peer: str, region: RemoteRegion, offset: int, length: int) -> No
         raise TransportError(
             peer, f"range ({offset}, {length}) is outside pool {region.name!r} of {region.size} bytes"
         )
-
-
-def coalesce(ranges: Iterable[tuple[int, int]], limit: int | None = None) -> list[tuple[int, int]]:
-    """Sorted, merged (offset, length) ranges; at most ``limit`` of them.
-
-    Merging only ever persists more than asked, which is always safe; to meet ``limit`` the
-    smallest gaps are closed first so the extra bytes stay few.
-    """
-    spans = sorted((off, off + length) for off, length in ranges if length > 0)
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    if limit is not None and len(merged) > limit:
-        gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
-        close = set(gaps[: len(merged) - max(limit, 1)])
-        joined: list[list[int]] = [merged[0]]
-        for i in range(1, len(merged)):
-            if i - 1 in close:
-                joined[-1][1] = merged[i][1]
-            else:
-                joined.append(merged[i])
-        merged = joined
-    return [(start, end - start) for start, end in merged]

@@ -18,10 +18,12 @@ from typing import Any, NoReturn
 import trio
 
 from rpmemfs.printable import printable
-from rpmemfs.transport import auth, protection, tokens
+from rpmemfs.transport.auth import Ephemeral, derive, initiator_proof, same, target_proof
 from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.protection import has_aes
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
 from rpmemfs.transport.stream import FrameReader, PeerClosed, _advance, send_all, send_nowait
+from rpmemfs.transport.tokens import refused_hint
 from rpmemfs.transport.wire import (
     F_CLOSE,
     HEADER_SIZE,
@@ -309,9 +311,9 @@ class Connection:
                         ) -> tuple[bytes, dict[str, Any]]:
         """Authenticate both ways and, when ``protect``, seal everything after the AUTH;
         returns the session id and what the target says about itself."""
-        mine = auth.Ephemeral()
+        mine = Ephemeral()
         flags = 0 if protect else HELLO_F_PLAIN
-        if protect and not protection.has_aes():
+        if protect and not has_aes():
             flags |= HELLO_F_NO_AES
         hello = Hello(VERSION, role, mine.public, session_id, flags).pack()
         try:
@@ -324,10 +326,10 @@ class Connection:
                 theirs, proof = payload[:KEY_SIZE], payload[KEY_SIZE:]
                 transcript = hello + frame.pack() + theirs
                 try:
-                    keys = auth.derive(token, mine.shared(theirs), transcript)
+                    keys = derive(token, mine.shared(theirs), transcript)
                 except ValueError:
                     self._fail("the target's public key is not a valid X25519 key", Code.AUTH_FAILED)
-                if not auth.same(proof, auth.target_proof(keys, transcript)):
+                if not same(proof, target_proof(keys, transcript)):
                     # Our own proof is not sent to a peer that could not prove itself.
                     self._fail(
                         "the target could not prove it knows the token: it is not the genuine "
@@ -335,7 +337,7 @@ class Connection:
                         "in transit",
                         Code.AUTH_FAILED,
                     )
-                answer = auth.initiator_proof(keys, transcript)
+                answer = initiator_proof(keys, transcript)
                 await send_all(self.io, [Frame(Op.AUTH, length=PROOF_SIZE).pack(), answer])
                 if cipher != Cipher.NONE:
                     if self.reader.buffered:
@@ -396,7 +398,7 @@ async def open_connection(
         if exc.code != Code.AUTH_FAILED:
             raise
         # Which token file was tried is what a user needs to know to fix it.
-        raise TransportError(peer, exc.reason + tokens.refused_hint(token), code=exc.code,
+        raise TransportError(peer, exc.reason + refused_hint(token), code=exc.code,
                              lane_lost=exc.lane_lost) from None
     except BaseException:
         sock.close()

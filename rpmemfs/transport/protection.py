@@ -5,19 +5,18 @@ private back-to-back cable); it must be asked for on both ends, and an end that 
 refuses a peer that does not, with the reason (the handshake carries each end's choice, and
 a change to it in transit fails the proofs).
 
-An initiator's choice is per process: the global ``--wire-protection`` option and the mount
-option ``wire_protection=`` set it, through the environment, so that a daemonized mount and
-the commands it runs inherit it.
+An initiator's choice is configuration, passed to each connection it opens (tcp.connect's
+``wire_protection``, or the transport it is built into: choose.transport_for): the global
+``--wire-protection`` option of a command, and the mount option ``wire_protection=``, which a
+mount daemon carries in its options (a global ``--wire-protection`` given to ``rpmemfs mount``
+fills it in when the options leave it out).
 """
 
 from __future__ import annotations
 
-import os
-
 from rpmemfs.native import lib
 from rpmemfs.transport.wire import Cipher
 
-ENV = "RPMEMFS_WIRE_PROTECTION"
 MODES = ("aead", "none")
 DEFAULT = "aead"
 
@@ -28,14 +27,9 @@ def check(mode: str) -> str:
     return mode
 
 
-def set_initiator(mode: str) -> None:
-    """This process's initiators (and the processes it starts) use ``mode``."""
-    os.environ[ENV] = check(mode)
-
-
-def initiator_protects() -> bool:
-    """Whether this process's initiators protect their traffic; ValueError for a bad setting."""
-    return check(os.environ.get(ENV) or DEFAULT) == "aead"
+def protects(mode: str) -> bool:
+    """Whether an initiator told ``mode`` protects its traffic; ValueError for a bad mode."""
+    return check(mode) == "aead"
 
 
 def has_aes() -> bool:

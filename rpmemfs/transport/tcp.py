@@ -20,7 +20,7 @@ import trio
 
 from rpmemfs.native import ffi, lib
 from rpmemfs.printable import printable
-from rpmemfs.transport import protection, tokens
+from rpmemfs.ranges import merge_ranges
 from rpmemfs.transport.address import format_address, parse_address
 from rpmemfs.transport.base import (
     DEFAULT_TIMEOUT,
@@ -35,13 +35,15 @@ from rpmemfs.transport.base import (
     Transport,
     TransportError,
     check_range,
-    coalesce,
     nbytes,
     open_request,
     packed_offsets,
 )
 from rpmemfs.transport.conn import Connection, open_connection
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
+from rpmemfs.transport.protection import protects
 from rpmemfs.transport.sockio import Buffer
+from rpmemfs.transport.tokens import key_id, local_token, no_token
 from rpmemfs.transport.wire import (
     ATOMIC_SIZE,
     F_FLUSH,
@@ -123,7 +125,7 @@ class TcpLane:
     ) -> int:
         for off, length in ranges:
             check_range(self.peer, region, off, length)
-        payload = encode_flush(coalesce(ranges, MAX_FLUSH_RANGES))
+        payload = encode_flush(merge_ranges(ranges, MAX_FLUSH_RANGES))
         id_ = self._conn.new_id()
         bufs.append(pack_header(Op.SEND, 0, region.key, 0, len(payload), id_, SendKind.FLUSH))
         bufs.append(payload)
@@ -443,24 +445,25 @@ class TcpSession:
 
 
 async def connect(
-    address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
+    address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT,
+    wire_protection: str = DEFAULT_PROTECTION,
 ) -> TcpSession:
-    """A session with the target at ``address`` (HOST:PORT) with ``lanes`` lanes open."""
+    """A session with ``lanes`` lanes open to ``address`` (HOST:PORT), protected as asked."""
     try:
         host, port = parse_address(address)
     except ValueError as exc:
         raise TransportError(address, str(exc)) from None
     peer = format_address(host, port)
-    secret = token if token is not None else tokens.local_token()
+    secret = token if token is not None else local_token()
     if secret is None:
-        raise TransportError(peer, tokens.no_token())
+        raise TransportError(peer, no_token())
     try:
-        protect = protection.initiator_protects()
+        protect = protects(wire_protection)
     except ValueError as exc:
-        raise TransportError(peer, f"${protection.ENV}: {exc}") from None
+        raise TransportError(peer, str(exc)) from None
     # A control HELLO names the token it proves with where a lane's names its session.
     conn, session_id, info = await open_connection(
-        host, port, peer, secret, Role.CONTROL, tokens.key_id(secret), timeout, protect
+        host, port, peer, secret, Role.CONTROL, key_id(secret), timeout, protect
     )
     session = TcpSession(TcpLane(conn), host, port, secret, session_id, info, timeout, protect)
     try:
@@ -472,15 +475,18 @@ async def connect(
     return session
 
 
+@dataclass
 class TcpTransport:
     """The TCP transport as an object, for code that picks a transport at run time."""
 
     name = "tcp"
+    wire_protection: str = DEFAULT_PROTECTION  # what its connections ask for (protection.py)
 
     async def connect(
         self, address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
     ) -> TcpSession:
-        return await connect(address, token, lanes=lanes, timeout=timeout)
+        return await connect(address, token, lanes=lanes, timeout=timeout,
+                             wire_protection=self.wire_protection)
 
 
 if TYPE_CHECKING:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Self
 import trio
 
 from rpmemfs.printable import printable
+from rpmemfs.ranges import merge_ranges
 from rpmemfs.transport import rdma
 from rpmemfs.transport.address import parse_address
 from rpmemfs.transport.base import (
@@ -60,11 +61,11 @@ from rpmemfs.transport.base import (
     Transport,
     TransportError,
     check_range,
-    coalesce,
     nbytes,
     open_request,
     unpack,
 )
+from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.transport.tcp import TcpSession
 from rpmemfs.transport.tcp import connect as tcp_connect
 from rpmemfs.transport.verbs_config import VerbsSettings
@@ -302,7 +303,7 @@ class VerbsLane:
         send slot held until the reply (by then the target has the message whole)."""
         self._seq += 1
         seq = self._seq
-        msg = rdma.pack_flush(flush.region.key, seq, coalesce(flush.ranges, rdma.MAX_FLUSH_RANGES))
+        msg = rdma.pack_flush(flush.region.key, seq, merge_ranges(flush.ranges, rdma.MAX_FLUSH_RANGES))
         self._replies[seq] = ticket
         return self._send_wr(seq, msg, ticket)
 
@@ -804,11 +805,12 @@ class VerbsSession:
 async def connect(
     address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT,
     src: str | None = None, settings: VerbsSettings | None = None,
+    wire_protection: str = DEFAULT_PROTECTION,
 ) -> VerbsSession:
-    """A session with the target at ``address`` (HOST:PORT): control over TCP, ``lanes``
-    queue pairs over rdmacm (from ``src``, a local address, when given). Without
-    ``settings`` (a caller that builds no transport, such as ``rpmemfs bench verbs``), those
-    of the environment."""
+    """A session with the target at ``address`` (HOST:PORT): control over TCP (protected as
+    ``wire_protection`` says), ``lanes`` queue pairs over rdmacm (from ``src``, a local
+    address, when given). Without ``settings`` (a caller that builds no transport, such as
+    ``rpmemfs bench verbs``), those of the environment."""
     if settings is None:
         settings = VerbsSettings.from_env(src)
     elif src:
@@ -820,7 +822,7 @@ async def connect(
         host, port = parse_address(address)
     except ValueError as exc:
         raise TransportError(address, str(exc)) from None
-    control = await tcp_connect(address, token, lanes=0, timeout=timeout)
+    control = await tcp_connect(address, token, lanes=0, timeout=timeout, wire_protection=wire_protection)
     try:
         info = await control.control({"op": "rdma"})
         session = VerbsSession(control, host, int(info.get("port", port)), info, timeout, settings)
@@ -839,17 +841,19 @@ async def connect(
 
 class VerbsTransport:
     """The verbs transport as an object, running with ``settings`` (its ``src`` picks the
-    local address, and so the device)."""
+    local address, and so the device); its control connections ask for ``wire_protection``."""
 
     name = "rdma"
 
-    def __init__(self, settings: VerbsSettings) -> None:
+    def __init__(self, settings: VerbsSettings, wire_protection: str = DEFAULT_PROTECTION) -> None:
         self.settings = settings
+        self.wire_protection = wire_protection
 
     async def connect(
         self, address: str, token: bytes | None = None, *, lanes: int = 1, timeout: float = DEFAULT_TIMEOUT
     ) -> VerbsSession:
-        return await connect(address, token, lanes=lanes, timeout=timeout, settings=self.settings)
+        return await connect(address, token, lanes=lanes, timeout=timeout, settings=self.settings,
+                             wire_protection=self.wire_protection)
 
 
 if TYPE_CHECKING:

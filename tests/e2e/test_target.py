@@ -27,7 +27,7 @@ import pytest
 import rawwire
 import trio
 
-from rpmemfs.target.names import PoolNameError, check_name
+from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.tools.processes import SpawnError, TargetProcess
 from rpmemfs.transport import TcpSession, TransportError, barrier, connect
 from rpmemfs.transport.address import parse_address

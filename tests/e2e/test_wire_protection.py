@@ -17,6 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -369,19 +370,17 @@ def test_the_wire_carries_no_plaintext_of_what_was_written(
 
 
 def test_both_ends_plain_work_and_are_exposed(
-        start_target: Callable[..., TargetProcess], proxies: Callable[[str], Proxy], token: bytes,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        start_target: Callable[..., TargetProcess], proxies: Callable[[str], Proxy], token: bytes) -> None:
     """The opt-out works when both ends ask for it, and it is what it says: the same relay
     reads the data and rewrites it unnoticed."""
     t = start_target("--wire-protection", "none")
     proxy = proxies(t.address)
     flip = Once(I2T, "flip", min_size=30 * KiB)
     proxy.tamper = flip
-    monkeypatch.setenv(protection.ENV, "none")
     data = os.urandom(64 * KiB)
 
     async def main() -> None:
-        async with await connect(proxy.address, token, lanes=1, timeout=10) as s:
+        async with await connect(proxy.address, token, lanes=1, timeout=10, wire_protection="none") as s:
             region = await s.create_pool("plain", POOL)
             assert s.info["wire_protection"] == "none"
             await s.lanes[0].barrier(region, [(0, b"clear")])
@@ -396,17 +395,15 @@ def test_both_ends_plain_work_and_are_exposed(
 
 
 def test_mismatched_ends_are_refused_with_the_reason(
-        start_target: Callable[..., TargetProcess], token: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+        start_target: Callable[..., TargetProcess], token: bytes) -> None:
     protected, plain = start_target(), start_target("--wire-protection", "none")
     with pytest.raises(TransportError, match="runs with --wire-protection none") as err:
         trio.run(connect, plain.address, token)
     assert "requires protection" in str(err.value)
-    monkeypatch.setenv(protection.ENV, "none")
     with pytest.raises(TransportError, match="protects its traffic and the initiator asked for none"):
-        trio.run(connect, protected.address, token)
-    monkeypatch.setenv(protection.ENV, "sometimes")
+        trio.run(partial(connect, protected.address, token, wire_protection="none"))
     with pytest.raises(TransportError, match="must be aead or none"):
-        trio.run(connect, protected.address, token)
+        trio.run(partial(connect, protected.address, token, wire_protection="sometimes"))
     assert "protection" in _log(plain) and "protection" in _log(protected)
 
 

@@ -20,10 +20,9 @@ from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError
 from rpmemfs.durability.backlog import GROUP
 from rpmemfs.pool.layout import BLOCK
 from rpmemfs.pool.position import Position, decode, encode
+from rpmemfs.ranges import Ranges
 from rpmemfs.replica import ReplicaError, ReplicaSet
 from rpmemfs.replica.promote import behind
-
-Ranges = list[tuple[int, int]]
 
 
 def nchunks(rig: Rig, ranges: Ranges) -> int:

@@ -10,9 +10,8 @@ import trio
 import trio.testing
 
 from rpmemfs.durability import Durability, DurabilityError
+from rpmemfs.ranges import Ranges
 from rpmemfs.replica.replica_set import ReplicaError
-
-Ranges = list[tuple[int, int]]
 
 
 @dataclass

@@ -42,11 +42,7 @@ def fs() -> Filesystem:
 
 def ext(fs: Filesystem) -> Extents:
     """The range operations on fs (one object per filesystem, as the FUSE edge keeps)."""
-    e: Extents | None = getattr(fs, "test_extents", None)
-    if e is None:
-        e = Extents(fs)
-        fs.test_extents = e  # type: ignore[attr-defined]
-    return e
+    return fs.extents
 
 
 def mkfile(fs: Filesystem, name: bytes, data: bytes = b"") -> int:
@@ -393,7 +389,7 @@ def test_a_preallocated_block_written_before_a_crash_is_data() -> None:
 
 def test_too_many_preallocated_blocks_to_read_at_mount_are_data(
         fs: Filesystem, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rpmemfs.fs.filesystem as F
+    import rpmemfs.fs.recovery as F
     ino = mkfile(fs, b"f")
     ext(fs).fallocate(ino, 0, 0, 4 * BLOCK)
     durable(fs)

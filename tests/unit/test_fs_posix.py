@@ -17,7 +17,7 @@ import pytest
 from mempool import durable, new_fs, reopen, tree
 
 from rpmemfs.fs import acl as A
-from rpmemfs.fs import filesystem as F
+from rpmemfs.fs import namespace as F
 from rpmemfs.fs.creds import Creds, suidgid_to_clear
 from rpmemfs.fs.filesystem import Filesystem, FsError
 from rpmemfs.fs.replay import ROOT_INO

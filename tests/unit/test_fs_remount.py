@@ -26,6 +26,7 @@ from rpmemfs.fs.filesystem import CHECKPOINT_MIN_TAIL, Filesystem
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.log import scan
 from rpmemfs.fs.replay import ROOT_INO, Index
+from rpmemfs.fs.snapshot import payloads, prealloc_entries
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK
 
@@ -70,7 +71,7 @@ def reference_snapshot(fs: Filesystem) -> list[bytes]:
     out = [R.next_ino(fs.next_ino)]
     order = sorted(fs.inodes)
     for ino in order:
-        out += fs.inodes[ino].snapshot_entries() + fs._prealloc_entries(ino)
+        out += fs.inodes[ino].snapshot_entries() + prealloc_entries(fs.inodes[ino], fs.data.unwritten)
     for ino in order:
         for name, child in (fs.inodes[ino].children or {}).items():
             out.append(R.link(ino, name, child))
@@ -176,8 +177,8 @@ def test_a_snapshot_holds_what_snapshot_entries_make_in_records_of_one_kind(seed
     w.run(250)
     big = small_files_fs()
     for fs in (w.fs, falloc_fs(10 + seed), big):
-        fs._take_dirty()
-        records = list(fs._snapshot_payloads())
+        fs.changes.take_dirty()
+        records = list(payloads(fs.index, fs.data.unwritten))
         got = [e for r in records for e in split(r)]
         assert sorted(got) == sorted(reference_snapshot(fs))
         # Every inode's entries after its INODE entry, every LINK after every inode.

@@ -1,13 +1,21 @@
-"""The package's shape: no import cycles, layers that import one way, long modules that say why.
+"""The package's shape: no import cycles, between modules or between the package's parts; every
+part in a layer, each layer reaching only the layers below it (through any chain of imports);
+long modules that say why.
 
-The import graph is read from the source (ast), so it counts imports inside functions too, and
-importing ``a.b.c`` counts as importing the packages ``a`` and ``a.b`` as well, since Python
-runs their ``__init__`` first.
+A part is a top-level module (``rpmemfs/units.py``) or a top-level package (``rpmemfs/fs/``,
+everything under it). The import graph is read from the source (ast), so it counts imports
+inside functions and under TYPE_CHECKING too. Importing ``a.b.c`` runs ``a/__init__`` and
+``a/b/__init__`` first, so it counts as importing those packages as well, except the importer's
+own enclosing packages, which Python has begun already when the importer runs: a module depends
+on its own package only when it reads the package's namespace (``from rpmemfs.transport import
+tokens``, ``import rpmemfs``), which is what makes a package whose ``__init__`` re-exports its
+modules a cycle with them.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -30,38 +38,63 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    is_pkg = path.name == "__init__.py"
+def _known(name: str) -> str:
+    """The module ``name`` names, or the package it is an attribute of."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _with_packages(module: str, importer: str) -> set[str]:
+    """``module`` and the packages Python runs first to import it, less the importer's own."""
+    parts = module.split(".")
+    out = {module}
+    for i in range(1, len(parts)):
+        pkg = ".".join(parts[:i])
+        if not importer.startswith(pkg + "."):
+            out.add(pkg)
+    return out
+
+
+def _imports(name: str, source: str, is_pkg: bool = False) -> set[str]:
     package = name if is_pkg else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        targets: list[str] = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
+            for alias in node.names:
+                if alias.name.startswith("rpmemfs"):
+                    out |= _with_packages(_known(alias.name), name)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
-        for t in targets:
-            if not t.startswith("rpmemfs"):
+            if not base.startswith("rpmemfs"):
                 continue
-            while t and t not in MODULES:
-                t = t.rpartition(".")[0]
-            # the module itself, and every package on the way to it
-            parts = t.split(".")
-            for i in range(1, len(parts) + 1):
-                dep = ".".join(parts[:i])
-                if dep != name and dep in MODULES and not name.startswith(dep + "."):
-                    out.add(dep)
+            # `from P import x` reads P's namespace: P counts, even when it encloses the importer.
+            base = _known(base)
+            out |= _with_packages(base, name) | {base}
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    out.add(f"{base}.{alias.name}")
+    out.discard(name)
+    out.discard("")
     return out
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+GRAPH = {name: _imports(name, path.read_text(), path.name == "__init__.py") for name, path in MODULES.items()}
 
 
-def _cycles() -> list[list[str]]:
+def part(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+PARTS = {part(m) for m in MODULES}
+PART_GRAPH = {p: {part(d) for m, deps in GRAPH.items() if part(m) == p for d in deps} - {p} for p in PARTS}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -75,7 +108,7 @@ def _cycles() -> list[list[str]]:
         counter += 1
         stack.append(v)
         on.add(v)
-        for w in GRAPH[v]:
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -92,48 +125,112 @@ def _cycles() -> list[list[str]]:
             if len(comp) > 1:
                 found.append(sorted(comp))
 
-    for v in sorted(GRAPH):
+    for v in sorted(graph):
         if v not in index:
             visit(v)
-    return found
+    return sorted(found)
 
 
-# Known exceptions, none left since issue 13. The lists are exact: a new cycle, wrong-way import
-# or unexplained long module fails, and so does fixing a listed one without deleting it here.
+def _reached(start: set[str], graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Every module reached from ``start``, with the chain of imports that reaches it first."""
+    paths = {m: [m] for m in sorted(start)}
+    todo = deque(sorted(start))
+    while todo:
+        m = todo.popleft()
+        for d in sorted(graph.get(m, ())):
+            if d not in paths:
+                paths[d] = [*paths[m], d]
+                todo.append(d)
+    return paths
+
+
+# Known exceptions: none. The lists are exact: a new cycle or wrong-way import fails, and so
+# does fixing a listed one without deleting it here.
 KNOWN_CYCLES: list[list[str]] = []
+KNOWN_PART_CYCLES: list[list[str]] = []
 KNOWN_WRONG_WAY: dict[str, list[str]] = {}
 KNOWN_LONG: set[str] = set()
 
 
-def test_no_import_cycles() -> None:
-    assert sorted(_cycles()) == KNOWN_CYCLES
+def test_no_import_cycles_between_modules() -> None:
+    assert _cycles(GRAPH) == KNOWN_CYCLES
 
 
-# layer -> layers it must never import (the layer's own subpackages included).
-FORBIDDEN = {
-    "rpmemfs.pool": ["fs", "replica", "durability", "transport", "target", "mountd", "fuse", "cli", "tools"],
-    "rpmemfs.fs": ["replica", "durability", "transport", "target", "mountd", "fuse", "cli", "tools"],
-    "rpmemfs.replica": ["fs", "durability", "mountd", "fuse", "cli", "tools"],
-    "rpmemfs.durability": ["fs", "mountd", "fuse", "cli", "tools", "transport", "target"],
-    "rpmemfs.transport": ["fs", "pool", "replica", "durability", "target", "mountd", "fuse", "cli", "tools"],
-    "rpmemfs.target": ["fs", "replica", "durability", "mountd", "fuse", "cli", "tools"],
-    "rpmemfs.pmem": ["fs", "replica", "durability", "transport", "target", "mountd", "fuse", "cli", "tools"],
-    "rpmemfs.fuse": ["replica", "transport", "target", "mountd", "cli", "tools"],
-    "rpmemfs.mountd": ["cli", "tools"],
+def test_no_import_cycles_between_parts() -> None:
+    assert _cycles(PART_GRAPH) == KNOWN_PART_CYCLES
+
+
+# Every part of the package, top to bottom (docs/architecture.md): a part reaches, directly or
+# through others, only parts of its own layer or of layers below it.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("CLI edge", {"cli"}),
+    ("tools", {"tools"}),
+    ("daemons", {"mountd", "target"}),
+    ("FUSE edge", {"fuse", "poller", "callers"}),
+    ("metrics", {"metrics", "metrics_endpoint"}),
+    ("durability", {"durability"}),
+    ("filesystem", {"fs"}),
+    ("replication", {"replica"}),
+    ("transport", {"transport"}),
+    ("pool files", {"poolfile"}),
+    ("persistence", {"pmem"}),
+    ("pool format", {"pool"}),
+    ("small shared", {"", "errors", "units", "ranges", "logs", "progress", "mountinfo", "native", "printable",
+                      "safeopen", "holders", "devdax", "latency", "sdnotify", "cliparse", "poolname"}),
+]
+RANK = {f"rpmemfs.{p}".rstrip("."): i for i, (_, parts) in enumerate(LAYERS) for p in parts}
+
+# What a part never reaches, even where the order above would let it: siblings that stay
+# apart, and what a library gets passed in rather than imports (the progress bar is a
+# callback; the CLI and the tools are edges nothing below them knows).
+CORE = ["pool", "pmem", "poolfile", "fs", "replica", "durability", "transport", "target", "mountd",
+        "fuse", "metrics", "metrics_endpoint"]
+NEVER_REACHES = {
+    **{c: ["cli", "tools", "progress"] for c in CORE},
+    "fs": ["cli", "tools", "progress", "replica", "durability", "transport", "target", "mountd", "fuse"],
+    "replica": ["cli", "tools", "progress", "fs", "durability", "target", "mountd", "fuse"],
+    "durability": ["cli", "tools", "progress", "fs", "target", "mountd", "fuse"],
+    "transport": ["cli", "tools", "progress", "fs", "pool", "pmem", "poolfile", "replica", "durability",
+                  "target", "mountd", "fuse"],
+    "target": ["cli", "tools", "progress", "fs", "replica", "durability", "mountd", "fuse"],
+    "mountd": ["cli", "tools", "progress", "target"],
+    "metrics": ["cli", "tools", "progress", "mountd", "target", "fuse", "durability", "fs", "replica"],
+    "metrics_endpoint": ["cli", "tools", "progress", "mountd", "target", "fuse", "durability", "fs",
+                         "replica"],
+}
+# What a part reaches only through the layer between, never by an import of its own.
+NOT_DIRECTLY = {
+    "fuse": ["replica", "transport", "target", "mountd"],  # it asks durability
+    "durability": ["transport"],  # it drives replicas through the replica layer
 }
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layers_import_one_way(layer: str) -> None:
-    bad = {f"rpmemfs.{x}" for x in FORBIDDEN[layer]}
-    wrong = sorted(
-        f"{name} imports {dep}"
-        for name, deps in GRAPH.items()
-        if name == layer or name.startswith(layer + ".")
-        for dep in deps
-        if any(dep == b or dep.startswith(b + ".") for b in bad)
-    )
-    assert wrong == KNOWN_WRONG_WAY.get(layer, [])
+def test_every_part_has_a_layer() -> None:
+    listed = [p for _, parts in LAYERS for p in parts]
+    assert len(listed) == len(set(listed)), "a part listed in two layers"
+    assert {f"rpmemfs.{p}".rstrip(".") for p in listed} == PARTS
+
+
+def _wrong_way(p: str) -> list[str]:
+    paths = _reached({m for m in MODULES if part(m) == p}, GRAPH)
+    short = p.removeprefix("rpmemfs.")
+    never = {f"rpmemfs.{x}" for x in NEVER_REACHES.get(short, [])}
+    direct = {f"rpmemfs.{x}" for x in NOT_DIRECTLY.get(short, [])}
+    wrong: dict[str, list[str]] = {}
+    for m, chain in paths.items():
+        q = part(m)
+        if q == p:
+            continue
+        why = ("a layer above" if RANK[q] < RANK[p] else "never" if q in never
+               else "directly" if q in direct and len(chain) == 2 else "")
+        if why and (q not in wrong or len(chain) < len(wrong[q])):
+            wrong[q] = [why, *chain]
+    return sorted(f"{p} reaches {q} ({w[0]}): {' -> '.join(w[1:])}" for q, w in wrong.items())
+
+
+@pytest.mark.parametrize("p", sorted(PARTS))
+def test_parts_reach_only_down(p: str) -> None:
+    assert _wrong_way(p) == KNOWN_WRONG_WAY.get(p, [])
 
 
 def test_long_modules_say_why() -> None:
@@ -150,4 +247,19 @@ def test_the_graph_is_read() -> None:
     assert "rpmemfs.pool.layout" in GRAPH["rpmemfs.pool.header"]
     # importing rpmemfs.replica.spec runs rpmemfs/replica/__init__.py first
     assert {"rpmemfs.replica", "rpmemfs.replica.spec"} <= GRAPH["rpmemfs.mountd.daemon"]
-    assert len(MODULES) > 50
+    assert len(MODULES) > 50 and {"rpmemfs.cli", "rpmemfs.fs", "rpmemfs"} <= PARTS
+
+
+def test_the_rules_see_what_they_are_for() -> None:
+    # A sibling module imported by name leaves the own package out; one read from the
+    # package's namespace does not (the re-exporting __init__ cycle).
+    tcp = "rpmemfs.transport.tcp"
+    assert _imports(tcp, "from rpmemfs.transport.tokens import key_id") == {"rpmemfs.transport.tokens"}
+    assert _imports(tcp, "from rpmemfs.transport import tokens") == {"rpmemfs.transport",
+                                                                    "rpmemfs.transport.tokens"}
+    assert _imports(tcp, "from . import tokens") == {"rpmemfs.transport", "rpmemfs.transport.tokens"}
+    assert _imports(tcp, "def f():\n    from rpmemfs.metrics import serve") == {"rpmemfs.metrics"}
+    assert _imports("rpmemfs.cli", "import rpmemfs.fs.mkfs") == {"rpmemfs.fs", "rpmemfs.fs.mkfs"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # Reached through an intermediate counts, with the chain that shows how.
+    assert _reached({"a"}, {"a": {"b"}, "b": {"c"}})["c"] == ["a", "b", "c"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from rpmemfs.target.pools import merge_ranges
+from rpmemfs.ranges import merge_ranges
 
 
 def covered(ranges: list[tuple[int, int]]) -> set[int]:

@@ -1,4 +1,4 @@
-"""Growing a pool file (pool/grow.py): the bigger layout, and a grown pool that checks clean,
+"""Growing a pool file (poolfile/grow.py): the bigger layout, and a grown pool that checks clean,
 keeps its files and has the new space free."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from rpmemfs.fs.check import check
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
-from rpmemfs.pool.grow import grow_file, grown
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import BLOCK, PoolFormatError, plan
 from rpmemfs.pool.syncmap import SyncMap
+from rpmemfs.poolfile.grow import grow_file, grown
 
 
 def test_the_grown_layout_keeps_the_log_and_data_offsets_and_moves_the_map_to_the_end() -> None:

@@ -10,9 +10,9 @@ import pytest
 from mempool import MemPersister
 
 from rpmemfs.fs.mkfs import format_pool
-from rpmemfs.pool.grow import grown
 from rpmemfs.pool.layout import BLOCK, Header, map_bytes, map_shift_for, plan
 from rpmemfs.pool.syncmap import SyncMap
+from rpmemfs.poolfile.grow import grown
 
 SIZE = 16 << 20
 

@@ -10,12 +10,9 @@ import signal
 import sys
 from types import FrameType
 
-from rpmemfs.progress import Notes
+from rpmemfs.tools.bench.notes import note
 
 __all__ = ["main", "note"]
-
-# Progress lines on stderr, so stdout carries only the report.
-note = Notes("bench")
 
 
 def _exit_on_sigterm() -> None:

@@ -41,8 +41,8 @@ from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.layout import Header
 from rpmemfs.replica import ReplicaSet, ReplicaSpec, ReplicaState, create_remote, metadata_ranges
-from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.machine import describe, one_line
+from rpmemfs.tools.bench.notes import note
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.processes import TargetProcess
 from rpmemfs.transport import protection
@@ -128,9 +128,11 @@ async def _one_method(method: str, address: str, pm: PoolMapping, iterations: di
     """One round of every case on a fresh one-replica set for ``method``."""
     hdr = Header.decode(pm.buf)
     spec = ReplicaSpec.make(address, f"micro-{method}")
+    # A plaintext variant's target runs with --wire-protection none: so must this end.
+    wire_protection = "none" if method.endswith(PLAIN) else protection.DEFAULT
     if round_no == 0:
-        await create_remote(spec, pm.size, pm.buf, metadata_ranges(pm.buf))
-    rs = await ReplicaSet.open([spec], pm.buf, hdr.uuid, None, lanes=1)
+        await create_remote(spec, pm.size, pm.buf, metadata_ranges(pm.buf), wire_protection=wire_protection)
+    rs = await ReplicaSet.open([spec], pm.buf, hdr.uuid, None, lanes=1, wire_protection=wire_protection)
     try:
         replica = rs.replicas[0]
         if replica.state is not ReplicaState.IN_SYNC or replica.region is None:
@@ -205,21 +207,13 @@ def run(base_dir: Path, quick: bool, small: int | None, large: int | None,
             # Something other than zeros, though nothing reads it back.
             pm.buf[hdr.data_off:end] = os.urandom(end - hdr.data_off)
             samples: dict[tuple[str, str], list[int]] = {}
-            saved = os.environ.get(protection.ENV)
             for round_no in range(rounds):
                 k = round_no % len(methods)
                 order = methods[k:] + methods[:k]
                 for method in order:
                     note(f"micro: round {round_no + 1}/{rounds}: {method}")
-                    protection.set_initiator("none" if method.endswith(PLAIN) else "aead")
-                    try:
-                        trio.run(_one_method, method, daemons[method].address, pm, iterations,
-                                 warmup, rounds, samples, round_no)
-                    finally:
-                        if saved is None:
-                            os.environ.pop(protection.ENV, None)
-                        else:
-                            os.environ[protection.ENV] = saved
+                    trio.run(_one_method, method, daemons[method].address, pm, iterations,
+                             warmup, rounds, samples, round_no)
             for method in methods:
                 for case in CASES:
                     result.cases.append(_result(method, case, samples[(method, case)],

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.cpu import process_times
+from rpmemfs.tools.bench.notes import note
 from rpmemfs.tools.bench.populate import dir_name, file_name, populate
 from rpmemfs.tools.bench.stats import Metric, WorkloadResult
 from rpmemfs.tools.bench.targets import mkfs

@@ -9,10 +9,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from rpmemfs.mountinfo import fs_type, mounts_under
-from rpmemfs.tools.bench import note
 from rpmemfs.tools.bench.isolate import ChildFailed, Timeout, run_isolated
 from rpmemfs.tools.bench.machine import describe
 from rpmemfs.tools.bench.mount100k import measure_mount_time
+from rpmemfs.tools.bench.notes import note
 from rpmemfs.tools.bench.options import MOUNT100K, Options
 from rpmemfs.tools.bench.results import Outcome, RunResult, TargetStatus
 from rpmemfs.tools.bench.settle import IDLE, TIMEOUT, wait_until_quiet

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from rpmemfs.tools.bench import cpu
+from rpmemfs.tools.bench.cpu import idle_share, sample
 
 IDLE = 0.8  # the fraction of all CPUs' time spent idle that counts as quiet
 WINDOW = 0.25  # seconds per look
@@ -22,9 +22,9 @@ TIMEOUT = 30.0
 
 def idle_fraction(seconds: float) -> float:
     """The fraction of the machine's CPU time spent idle over the next ``seconds``."""
-    before = cpu.sample()
+    before = sample()
     time.sleep(seconds)
-    return cpu.idle_share(before, cpu.sample())
+    return idle_share(before, sample())
 
 
 def wait_until_quiet(idle: float = IDLE, window: float = WINDOW, timeout: float = TIMEOUT) -> float | None:

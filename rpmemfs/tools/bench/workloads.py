@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter_ns
 
-from rpmemfs.tools.bench import cpu
+from rpmemfs.tools.bench.cpu import ProcessTimes, busy_seconds, idle_share, processes_times, sample
 from rpmemfs.tools.bench.stats import Metric, WorkloadResult, latency_result
 
 KIB = 1024
@@ -108,20 +108,20 @@ def seq_write(directory: Path, scale: Scale, processes: Processes) -> WorkloadRe
     fd = os.open(directory / "seq.dat", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     buf = os.urandom(SEQ_CHUNK)
     try:
-        served_before, before = cpu.processes_times(processes), cpu.sample()
+        served_before, before = processes_times(processes), sample()
         t0 = perf_counter_ns()
         for off in range(0, scale.seq_bytes, SEQ_CHUNK):
             os.pwrite(fd, buf, off)
         os.fsync(fd)
         elapsed_ns = perf_counter_ns() - t0
-        after, served_after = cpu.sample(), cpu.processes_times(processes)
+        after, served_after = sample(), processes_times(processes)
     finally:
         os.close(fd)
     seconds = elapsed_ns / 1e9
     megabytes = scale.seq_bytes / 1e6
     # CPU per MB, split as concurrent_fsync's per operation: what the goal's budget is
     # checked against (docs/benchmarks.md).
-    per_mb = cpu.busy_seconds(before, after) * 1e6 / megabytes
+    per_mb = busy_seconds(before, after) * 1e6 / megabytes
     return WorkloadResult(
         metrics=[Metric("throughput", megabytes / seconds, "MB/s", "higher"),
                  Metric("cpu_per_mb", per_mb, "µs", "lower"),
@@ -232,15 +232,15 @@ def concurrent_fsync(directory: Path, scale: Scale, processes: Processes) -> Wor
     details: dict[str, float] = {}
     cores = os.cpu_count() or 1
     for jobs in CONCURRENT_JOBS:
-        served_before = cpu.processes_times(processes)
-        before = cpu.sample()
+        served_before = processes_times(processes)
+        before = sample()
         pids, out_r = fork_fsync_writers([directory / f"job{jobs}-{i}.dat" for i in range(jobs)],
                                          scale.concurrent_seconds)
         with os.fdopen(out_r) as out:
             lines = out.read().split("\n")
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1]]
-        after = cpu.sample()
-        served_after = cpu.processes_times(processes)
+        after = sample()
+        served_after = processes_times(processes)
         results = [(int(a), float(b)) for a, b in (ln.split() for ln in lines if ln.strip())]
         if failed or len(results) != jobs:
             raise RuntimeError(f"{len(failed)} of {jobs} concurrent_fsync jobs failed")
@@ -248,17 +248,17 @@ def concurrent_fsync(directory: Path, scale: Scale, processes: Processes) -> Wor
         metrics.append(Metric(f"iops_{jobs}j", sum(n / secs for n, secs in results), "IOPS", "higher"))
         # What one write + fsync cost the whole machine, and the rate its cores would allow at
         # that cost: a goal above that ceiling needs less CPU per operation, not more threads.
-        per_op = cpu.busy_seconds(before, after) * 1e6 / max(ops, 1)
+        per_op = busy_seconds(before, after) * 1e6 / max(ops, 1)
         metrics.append(Metric(f"cpu_per_op_{jobs}j", per_op, "µs", "lower"))
         metrics.append(Metric(f"ceiling_{jobs}j", cores * 1e6 / per_op if per_op else 0.0, "IOPS", "higher"))
         metrics += _cpu_split(f"{jobs}j", per_op, ops, served_before, served_after)
         details[f"ops_{jobs}j"] = float(ops)
-        details[f"busy_{jobs}j"] = 1.0 - cpu.idle_share(before, after)
+        details[f"busy_{jobs}j"] = 1.0 - idle_share(before, after)
     return WorkloadResult(metrics=metrics, details=details)
 
 
-def _cpu_split(suffix: str, per_unit: float, units: float, before: dict[str, cpu.ProcessTimes],
-               after: dict[str, cpu.ProcessTimes]) -> list[Metric]:
+def _cpu_split(suffix: str, per_unit: float, units: float, before: dict[str, ProcessTimes],
+               after: dict[str, ProcessTimes]) -> list[Metric]:
     """Where the CPU time of one unit of work (an operation, a MB) went, of the machine's
     ``per_unit`` µs: the daemon's Python and C (user) and the kernel's work it asked for
     (FUSE, TCP, waits), the target daemons together, and the rest (the programs and the

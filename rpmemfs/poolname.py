@@ -1,22 +1,27 @@
-"""Pool names: what an initiator may ask for, and where that lands under the pool directory.
+"""Pool names: what an initiator may ask a target for, and where that lands under the target's
+pool directory.
 
 A pool name is one plain file name inside the pool directory, never a path. The checks are
 strict on purpose: every name an initiator sends is untrusted, and a name that could be read
 two ways (hidden files, '..') is refused rather than interpreted; target/pooldir.py opens
 names without following symbolic links.
+
+The rules are one contract with two sides: the target refuses a name that breaks them, and
+the initiator's replica specs (replica/spec.py) refuse the same names before any connection.
+So they live here, beneath both, rather than in either layer.
 """
 
 from __future__ import annotations
 
 import re
 
-from rpmemfs.target.errors import TargetError
+from rpmemfs.errors import RpmemfsError
 
 MAX_NAME = 128
 _ALLOWED = re.compile(r"[A-Za-z0-9._-]+")
 
 
-class PoolNameError(TargetError, ValueError):
+class PoolNameError(RpmemfsError, ValueError):
     """The name is refused; the message says why, in terms the initiator's user can act on."""
 
 
