@@ -109,8 +109,8 @@ def cmd_mkfs(args: argparse.Namespace) -> int:
 
 
 def cmd_grow(args: argparse.Namespace) -> int:
+    from rpmemfs.admin import GrowError, grow_pool
     from rpmemfs.devdax import is_char_device
-    from rpmemfs.replica.grow import GrowError, grow_pool
 
     if os.path.isdir(args.pool) or _mounted_from(args.pool):
         raise CliError(f"{args.pool} is mounted (or is a directory): unmount the pool and grow the "
@@ -331,7 +331,8 @@ def _replicated_pool(path: str, token_file: str | None, what: str, writable: boo
 def cmd_verify(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.verify import content_size, format_report, report_from_dict, verify
+    from rpmemfs.admin import format_report, verify
+    from rpmemfs.replica.verify import content_size, report_from_dict
 
     chunk = args.chunk  # None: the pool's own, which sync counts in too
     if (entry := _mount_asked(args.pool)) is not None:
@@ -353,7 +354,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_sync(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.repair import format_sync, sync_pool
+    from rpmemfs.admin import format_sync, sync_pool
     from rpmemfs.replica.verify import content_size
 
     if (entry := _mount_asked(args.pool)) is not None:
@@ -382,7 +383,7 @@ def _from_replica(args: argparse.Namespace, doing: str) -> tuple[ReplicaSpec, by
 def cmd_recover(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.repair import recover_pool
+    from rpmemfs.admin import recover_pool
 
     source, token = _from_replica(args, "replacing it")
     result = trio.run(lambda: recover_pool(args.pool, source, token, force=args.force,
@@ -400,7 +401,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     import trio
 
-    from rpmemfs.replica.promote import promote_pool
+    from rpmemfs.admin import promote_pool
 
     source, token = _from_replica(args, "promoting onto it")
     result = trio.run(lambda: promote_pool(args.pool, source, token, force=args.force,
@@ -448,9 +449,10 @@ def cmd_pools(args: argparse.Namespace) -> int:
     some pool's resync began and did not end (UNFINISHED: not a copy to fail over to), 3 the
     target does not answer (or refuses the token)."""
     from rpmemfs.target.admin import format_pools
+    from rpmemfs.transport.control_ops import ControlOp, build_request
 
     try:
-        reply = _ask_target(args, {"op": "pools"})
+        reply = _ask_target(args, build_request(ControlOp.POOLS, {}))
     except (RpmemfsError, OSError) as exc:
         sys.stderr.write(f"rpmemfs: {exc}\n")
         return 3
@@ -473,7 +475,9 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    reply = _ask_target(args, {"op": "evict", "name": args.name})
+    from rpmemfs.transport.control_ops import ControlOp, build_request
+
+    reply = _ask_target(args, build_request(ControlOp.EVICT, {"name": args.name}))
     print(f"evicted the writing session of {args.name} on {args.address} (peer {reply.get('evicted')})")
     return 0
 

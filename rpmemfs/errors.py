@@ -13,10 +13,11 @@ that base:
 | pool files | PlaceError | |
 | filesystem | FilesystemError | FsError (carries an errno), MkfsError |
 | durability | DurabilityError | |
-| replication | ReplicationError | ReplicaError, PoolSetError, TableError, RepairError, GrowError |
+| replication | ReplicationError | ReplicaError, PoolSetError, TableError |
 | transport | TransportError | TokenError |
 | target daemon | TargetError | StartError, PoolError, PoolDirError, PoolDevError, AuthzError |
 | mount daemon | MountError | ProvisionError |
+| offline commands (admin/) | AdminError | RepairError, GrowError |
 | tools | SpawnError | DemoError, TimelineError |
 
 tests/unit/test_errors_table.py fails when a subclass of RpmemfsError is missing here.

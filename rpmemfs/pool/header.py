@@ -7,6 +7,9 @@ first, so that a crash in between leaves at least one intact copy of either vers
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from rpmemfs.pool.layout import BACKUP_OFF, HEADER_BYTES, HEADER_OFF, Header, PoolFormatError
 from rpmemfs.ranges import Ranges
 
@@ -59,3 +62,13 @@ def write_header(buf: memoryview | bytearray, hdr: Header) -> Ranges:
     for off in (BACKUP_OFF, HEADER_OFF):
         buf[off: off + len(raw)] = raw
     return [(BACKUP_OFF, len(raw)), (HEADER_OFF, len(raw))]
+
+
+def write_epoch(buf: memoryview | bytearray, hdr: Header, epoch: int,
+                persist: Callable[[Ranges], None]) -> tuple[Header, Ranges]:
+    """A new epoch into both copies, persisted: the new header, and the ranges written (which
+    a mount carries to its replicas with its first durability point)."""
+    moved = replace(hdr, epoch=epoch)
+    ranges = write_header(buf, moved)
+    persist(ranges)
+    return moved, ranges

@@ -4,4 +4,4 @@ from rpmemfs.errors import RpmemfsError
 
 
 class ReplicationError(RpmemfsError):
-    """Base of ReplicaError, PoolSetError, TableError and RepairError."""
+    """Base of ReplicaError, PoolSetError and TableError."""

@@ -10,8 +10,11 @@ every replica who owns it (``probe_replicas``), so that:
 - the epoch in the local pool only moves when this mount is going to claim replicas with it,
   so a pool mounted alone never outgrows the epoch of the primary that replaced it.
 
-An epoch is a generation (high 32 bits) and a random nonce: ``newer_owner`` is the test the
-target applies to a normal claim, seen from this side.
+An epoch is a generation (high 32 bits) and a random nonce: ``Probe.newer_than`` is the test
+the target applies to a normal claim, seen from this side. ``ask_owners`` is what a mount asks
+before it claims: every replica probed, the epoch to claim under chosen (a ``Claim``), and
+the replicas another primary holds named; what to do then (refuse, or mount alone) is the
+mount's policy (mountd/assemble.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import secrets
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -120,3 +123,50 @@ async def probe_replicas(specs: list[ReplicaSpec], token: bytes | None, timeout:
         for i, spec in enumerate(specs):
             nursery.start_soon(one, i, spec)
     return [r for r in results if r is not None]
+
+
+@dataclass
+class Claim:
+    """What a mount's replicas said of their owners, and the epoch it claims them under.
+
+    ``epoch`` moves past ``prev`` only when some replica will record it (one is reachable and
+    none was taken over), so that a pool mounted alone never outgrows the epoch of the primary
+    that may have replaced it meanwhile."""
+
+    prev: int  # the pool's epoch before this mount
+    epoch: int  # the epoch this mount runs under: ``prev`` when it claims nothing
+    takeover: bool  # -o takeover: claimed above every owner seen
+    probes: list[Probe] = field(default_factory=list)
+    taken: list[Probe] = field(default_factory=list)  # claimed by another primary since ``prev``
+    fencing: list[Probe] = field(default_factory=list)  # such owners a takeover fences
+
+    @property
+    def reachable(self) -> list[Probe]:
+        return [p for p in self.probes if p.error is None]
+
+    @property
+    def epochs(self) -> tuple[int, int]:
+        """(lineage, epoch) to claim the replicas with: after a takeover this pool's lineage
+        starts at its new epoch, so a replica reached later is claimed like promote's are."""
+        return (self.epoch, self.epoch) if self.takeover else (self.prev, self.epoch)
+
+    def held_by(self) -> str:
+        """Which replicas another primary holds, and who that is."""
+        return "; ".join(f"replica {p.spec} is held by {p.owned_by()}" for p in self.taken)
+
+
+async def ask_owners(specs: list[ReplicaSpec], prev: int, token: bytes | None, timeout: float,
+                     transport: Transport | None = None, *, takeover: bool = False,
+                     wire_protection: str = DEFAULT_PROTECTION) -> Claim:
+    """Ask every replica who owns it (nothing is claimed) and choose the epoch a mount of the
+    pool at epoch ``prev`` claims them under: the next generation, or with ``takeover``, when
+    another primary claimed some since ``prev``, one above every epoch seen."""
+    probes = await probe_replicas(specs, token, timeout, transport, wire_protection=wire_protection)
+    newer = [p for p in probes if p.newer_than(prev)]
+    if newer and takeover:
+        above = new_epoch([prev, *(p.epoch for p in probes if p.epoch is not None)])
+        return Claim(prev, above, takeover, probes, fencing=newer)
+    claim = Claim(prev, prev, takeover, probes, taken=newer)
+    if not newer and claim.reachable:
+        claim.epoch = next_epoch(prev, secrets.randbits(32))
+    return claim

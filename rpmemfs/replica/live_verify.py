@@ -2,7 +2,7 @@
 
 The pool changes while it is compared: a verify compares again after a durability point
 before it calls a difference real, and a repair copies under the barrier lock. Unmounted
-pools are compared in verify.py and repaired in repair.py.
+pools are verified and repaired by the offline commands (rpmemfs/admin/: verify.py, sync.py).
 """
 
 from __future__ import annotations

@@ -30,13 +30,15 @@ from typing import Any, TypeVar
 
 from rpmemfs.target.errors import TargetError
 from rpmemfs.target.pools import PoolError
+from rpmemfs.transport.control_ops import OPS
 from rpmemfs.transport.tokens import TokenError, key_id, read_owned, read_tokens
 from rpmemfs.units import count, human, parse_size
 
 ROLES = ("admin", "pools")
 DEFAULT_NAME = "default"
-# Operations that act on the target as a whole or on other initiators' sessions.
-ADMIN_OPS = frozenset({"evict"})
+# Operations that act on the target as a whole or on other initiators' sessions (declared so
+# in control_ops.py). Members compare equal to their names, so a request's op string is found.
+ADMIN_OPS = frozenset(op for op, spec in OPS.items() if spec.admin)
 V = TypeVar("V")
 # A file of grants: thousands of lines at most.
 MAX_AUTHZ_FILE = 1 << 20

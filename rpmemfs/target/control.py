@@ -1,6 +1,7 @@
-"""Control requests (JSON in SEND payloads): create, open, probe, pools, evict, grow, resync,
-close, remove, checksum, stats, info. Creates and grows are held to the token's quota
-(quota.py).
+"""Control requests (JSON in SEND payloads): one handler per operation that
+rpmemfs/transport/control_ops.py declares (create, open, probe, pools, evict, grow, resync,
+close, remove, checksum, stats, info, rdma), each reading its request's fields by their
+declared kinds (requests.py). Creates and grows are held to the token's quota (quota.py).
 
 Not the hot path. A refused request gets a clean ``{"ok": false, "error": ...}`` reply and the
 connection stays up: bad input in a request is not a framing violation.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +23,12 @@ from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import BLOCK, show_epoch
 from rpmemfs.poolname import PoolNameError, check_name
 from rpmemfs.target.authz import Grant, TokenBook
-from rpmemfs.target.owners import Owner, OwnerBook, clean_holder, refusal
+from rpmemfs.target.owners import Owner, OwnerBook, refusal
 from rpmemfs.target.pools import PoolError, PoolStore
 from rpmemfs.target.quota import Quotas
+from rpmemfs.target.requests import Request
 from rpmemfs.target.sessions import Region, SessionTable, TargetSession
+from rpmemfs.transport.control_ops import ControlOp, find_op
 
 if TYPE_CHECKING:
     from rpmemfs.target.verbs_server import VerbsService
@@ -38,13 +42,7 @@ MAX_CHUNK = 64 << 20
 MAX_CHUNKS = 4096
 
 
-def _epoch_pair(value: object) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(isinstance(v, int) and 0 <= v < 1 << 64 for v in value)):
-        raise PoolError("epoch must be [previous, current], two unsigned 64-bit integers", "request")
-    return value[0], value[1]
+Handler = Callable[[TargetSession, Request], Awaitable[dict[str, Any]]]
 
 
 def _crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
@@ -69,6 +67,14 @@ class ControlService:
         # claim takes its registration away, so an old primary's lanes stop landing writes.
         self._writers: dict[str, tuple[TargetSession, int]] = {}
         self.activity: dict[str, float] = {}  # pool name -> when its counters last moved
+        # Every declared op's handler (tests/unit/test_control_ops.py checks that none is missing).
+        self.handlers: dict[ControlOp, Handler] = {
+            ControlOp.CREATE: self._create, ControlOp.OPEN: self._open, ControlOp.PROBE: self._probe,
+            ControlOp.POOLS: self._pools, ControlOp.EVICT: self._evict, ControlOp.GROW: self._grow,
+            ControlOp.RESYNC: self._resync, ControlOp.CLOSE: self._close, ControlOp.REMOVE: self._remove,
+            ControlOp.CHECKSUM: self._checksum, ControlOp.STATS: self._stats, ControlOp.INFO: self._info,
+            ControlOp.RDMA: self._rdma,
+        }
         sessions.hooks.append(self)
 
     # SessionHook: a writer's registration or session went.
@@ -88,38 +94,9 @@ class ControlService:
         op = request.get("op")
         try:
             session.grant.check(op, request)
-            if op == "create":
-                return await self._create(session, request)
-            if op == "open":
-                return self._open(session, request)
-            if op == "probe":
-                return self._probe(request)
-            if op == "pools":
-                grants = self._tokens.grants() if session.grant.admin else [self._limits(session)]
-                return {"ok": True, "pools": session.grant.visible(self.listing()),
-                        "quotas": self._quotas.report(grants)}
-            if op == "evict":
-                return self._evict(session, request)
-            if op == "grow":
-                return await self._grow(session, request)
-            if op == "resync":
-                return self._resync(session, request)
-            if op == "close":
-                return self._close(session, request)
-            if op == "remove":
-                return self._remove(session, request)
-            if op == "checksum":
-                return await self._checksum(session, request)
-            if op == "stats":
-                name = request.get("name")
-                pools = self._stats(None if name is None else check_name(name))
-                return {"ok": True, "pools": session.grant.visible(pools)}
-            if op == "info":
-                return {"ok": True, **self.info}
-            if op == "rdma":
-                if self.verbs is None:
-                    raise PoolError(self.no_verbs, "no-rdma")
-                return self.verbs.enable(session)
+            declared = find_op(op)
+            if declared is not None:
+                return await self.handlers[declared](session, Request(session, declared, request))
         except PoolNameError as exc:
             log.warning("peer %s: refused pool name: %s", session.peer, exc)
             return {"ok": False, "error": str(exc), "code": "bad-name"}
@@ -149,14 +126,14 @@ class ControlService:
         for sessions already open too."""
         return self._tokens.named(session.grant.name) or session.grant
 
-    async def _create(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
-        name = check_name(request.get("name"))
-        size = request.get("size")
+    async def _create(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        name = request["name"]
+        size = request["size"]
         with self._quotas.making(self._limits(session), name, size, grow=False):
             # fallocate of a large pool takes a while; the other connections are served meanwhile.
             await trio.to_thread.run_sync(self._store.create_file, name, size)
         try:
-            return self._open(session, request)
+            return await self._open(session, request)
         except BaseException:
             # Made here and unusable (it cannot be registered, say): not left for a retry to trip on.
             with contextlib.suppress(PoolError, OSError):
@@ -180,11 +157,27 @@ class ControlService:
         return {"size": size, "uuid": hdr.uuid.hex() if hdr else None,
                 "owner": owner.as_dict() if owner else None, "writer": writer[0].peer if writer else None}
 
-    def _probe(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _probe(self, session: TargetSession, request: Request) -> dict[str, Any]:
         """Who owns a pool, without opening it: what a mount asks every replica before it
         claims any (so that a refused mount changes no epoch anywhere)."""
-        name = check_name(request.get("name"))
+        name = request["name"]
         return {"ok": True, "name": name, **self._ownership(name)}
+
+    async def _pools(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        grants = self._tokens.grants() if session.grant.admin else [self._limits(session)]
+        return {"ok": True, "pools": session.grant.visible(self.listing()),
+                "quotas": self._quotas.report(grants)}
+
+    async def _stats(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        return {"ok": True, "pools": session.grant.visible(self._counters(request["name"]))}
+
+    async def _info(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        return {"ok": True, **self.info}
+
+    async def _rdma(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        if self.verbs is None:
+            raise PoolError(self.no_verbs, "no-rdma")
+        return self.verbs.enable(session)
 
     def listing(self) -> dict[str, Any]:
         """Every pool in the directory: size, owner, writer, sessions, activity, counters."""
@@ -199,11 +192,11 @@ class ControlService:
                          "last_activity": self.activity.get(name), **self._store.stats(name)[name]}
         return out
 
-    def _evict(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+    async def _evict(self, session: TargetSession, request: Request) -> dict[str, Any]:
         """Drop the registration of a pool's writing session (an administrator cleaning up
         after an initiator that is gone but whose connection the target has not seen die).
         Its owner record stays: the same initiator may claim it again."""
-        name = check_name(request.get("name"))
+        name = request["name"]
         writer = self._writers.get(name)
         if writer is None:
             raise PoolError(f"pool {name!r} has no writing session", "request")
@@ -225,7 +218,7 @@ class ControlService:
                     seen[name] = now
             await trio.sleep(interval)
 
-    def _stats(self, name: str | None) -> dict[str, Any]:
+    def _counters(self, name: str | None) -> dict[str, Any]:
         pools = self._store.stats(name)
         for n, entry in pools.items():
             owner = self._owners.get(n)
@@ -234,10 +227,10 @@ class ControlService:
             entry["writer"] = writer[0].peer if writer else None
         return pools
 
-    def _open(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
-        name = check_name(request.get("name"))
-        epoch = _epoch_pair(request.get("epoch"))
-        takeover = request.get("takeover") is True
+    async def _open(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        name = request["name"]
+        epoch = request["epoch"]
+        takeover = request["takeover"] is True
         if takeover and epoch is None:
             raise PoolError("a takeover needs an epoch", "request")
         pool = self._store.open(name)
@@ -264,12 +257,12 @@ class ControlService:
             raise
         if epoch is not None:
             try:
-                self._claimed(session, region, epoch[1], clean_holder(request.get("holder")), owner)
+                self._claimed(session, region, epoch[1], request["holder"], owner)
             except OSError:
                 self._sessions.unregister(session, region.key)
                 raise
         reply = self._describe(region)
-        if request.get("rdma"):
+        if request["rdma"]:
             if self.verbs is None:
                 self._sessions.unregister(session, region.key)
                 raise PoolError(self.no_verbs, "no-rdma")
@@ -287,17 +280,13 @@ class ControlService:
                 raise PoolError(why, "no-rdma") from None
         return reply
 
-    async def _checksum(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+    async def _checksum(self, session: TargetSession, request: Request) -> dict[str, Any]:
         """CRC-32C of consecutive chunks of a registered pool, computed where the pool lives,
         so that comparing pools moves checksums over the wire instead of data."""
-        key, offset, length, chunk = (request.get(k) for k in ("key", "offset", "length", "chunk"))
-        region = session.regions.get(key) if isinstance(key, int) else None
-        if region is None:
-            raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
-        for name, value in (("offset", offset), ("length", length), ("chunk", chunk)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PoolError(f"checksum {name} must be a non-negative integer", "request")
-        assert isinstance(offset, int) and isinstance(length, int) and isinstance(chunk, int)
+        region: Region = request["key"]
+        offset: int = request["offset"]
+        length: int = request["length"]
+        chunk: int = request["chunk"]
         if not MIN_CHUNK <= chunk <= MAX_CHUNK or chunk % MIN_CHUNK:
             raise PoolError(f"checksum chunk must be a multiple of {MIN_CHUNK} up to {MAX_CHUNK}", "request")
         if offset + length > region.size:
@@ -314,10 +303,9 @@ class ControlService:
             pool.release()
         return {"ok": True, "crcs": crcs}
 
-    def _close(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
-        key = request.get("key")
-        if not isinstance(key, int) or self._sessions.unregister(session, key) is None:
-            raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
+    async def _close(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        region: Region = request["key"]
+        self._sessions.unregister(session, region.key)
         return {"ok": True}
 
     def _claimed(self, session: TargetSession, region: Region, epoch: int, holder: dict[str, Any],
@@ -339,25 +327,21 @@ class ControlService:
             self._sessions.unregister(old_session, old_key)
         self._writers[name] = (session, region.key)
 
-    async def _grow(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+    async def _grow(self, session: TargetSession, request: Request) -> dict[str, Any]:
         """Grow a pool no session has open (`rpmemfs grow` grows the replicas before the
         primary). The initiator writes the bigger pool's header with its next barriers."""
-        name = check_name(request.get("name"))
-        size = request.get("size")
+        name = request["name"]
+        size = request["size"]
         with self._quotas.making(self._limits(session), name, size, grow=True):
             grew = await trio.to_thread.run_sync(self._store.grow_file, name, size)
         return {"ok": True, "grown": grew}
 
-    def _resync(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
+    async def _resync(self, session: TargetSession, request: Request) -> dict[str, Any]:
         """Mark (``"active": true``, durably, before the first resync write lands) or clear the
         resync of a pool, for its writing session only: whoever copies this replica later must
         know whether it holds one point in time or parts of two (see owners.py)."""
-        key, active = request.get("key"), request.get("active")
-        region = session.regions.get(key) if isinstance(key, int) else None
-        if region is None:
-            raise PoolError(f"no pool is registered with key {key!r} in this session", "bad-key")
-        if not isinstance(active, bool):
-            raise PoolError("resync needs \"active\": true or false", "request")
+        region: Region = request["key"]
+        active: bool = request["active"]
         name = region.pool.name
         if self._writers.get(name) != (session, region.key):
             raise PoolError(f"pool {name!r}: only its writing session may mark a resync", "epoch")
@@ -371,8 +355,8 @@ class ControlService:
             log.info("pool %s: resync ended; the replica holds one point in time again", name)
         return {"ok": True}
 
-    def _remove(self, session: TargetSession, request: dict[str, Any]) -> dict[str, Any]:
-        name = check_name(request.get("name"))
+    async def _remove(self, session: TargetSession, request: Request) -> dict[str, Any]:
+        name = request["name"]
         self._store.remove(name)
         self._owners.forget(name)
         return {"ok": True}

@@ -32,7 +32,7 @@ import trio
 from rpmemfs.native import ffi
 from rpmemfs.ranges import merge_ranges
 from rpmemfs.target.sessions import SessionTable, TargetSession
-from rpmemfs.transport.wire import NATIVE_FLUSHES, REGION_FLUSH_TYPES
+from rpmemfs.transport.control_ops import NATIVE_FLUSHES, REGION_FLUSH_TYPES
 
 log = logging.getLogger("rpmemfs.target.verbs")
 

@@ -157,6 +157,16 @@ def run_demo(directory: str, size: int) -> int:
             daemon.start()
         except SpawnError as e:
             raise DemoError(f"the demo mount did not come up: {e}") from None
+        stop = False
+
+        def _stop(_sig: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        # Before the banner that invites Ctrl-C: one pressed (or sent) as soon as it shows
+        # stops the demo cleanly, instead of interrupting it with exit status 130.
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
         exe = os.path.join(os.path.dirname(sys.executable), "rpmemfs")
         disk = (f"{human(_disk_use(directory, mnt))} in {directory}: the pool and its two "
                 f"replicas, {human(os.path.getsize(pool))} each; they stay after the demo")
@@ -176,14 +186,6 @@ Try, in another shell:
   {exe} verify {mnt}     # the pool compared with both replicas, chunk by chunk
 Press Ctrl-C here to unmount, verify once more and stop everything.
 """, flush=True)
-        stop = False
-
-        def _stop(_sig: int, _frame: object) -> None:
-            nonlocal stop
-            stop = True
-
-        signal.signal(signal.SIGINT, _stop)
-        signal.signal(signal.SIGTERM, _stop)
         while not stop and daemon.running:
             time.sleep(0.2)
         code = daemon.returncode if not daemon.running else daemon.unmount(timeout=60)

@@ -244,19 +244,6 @@ class Session(Protocol):
     ) -> None: ...
 
 
-def open_request(name: str, epoch: tuple[int, int] | None, holder: Mapping[str, Any] | None,
-                 takeover: bool) -> dict[str, Any]:
-    """The control request that opens (and with an epoch, claims) a pool."""
-    request: dict[str, Any] = {"op": "open", "name": name}
-    if epoch is not None:
-        request["epoch"] = list(epoch)
-        if holder:
-            request["holder"] = dict(holder)
-        if takeover:
-            request["takeover"] = True
-    return request
-
-
 class Transport(Protocol):
     name: str
 

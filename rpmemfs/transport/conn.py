@@ -22,7 +22,7 @@ from rpmemfs.transport.auth import Ephemeral, derive, initiator_proof, same, tar
 from rpmemfs.transport.base import TransportError
 from rpmemfs.transport.protection import has_aes
 from rpmemfs.transport.sockio import Buffer, SockIO, connect_socket, tune
-from rpmemfs.transport.stream import FrameReader, PeerClosed, _advance, send_all, send_nowait
+from rpmemfs.transport.stream import FrameReader, PeerClosed, advance, send_all, send_nowait
 from rpmemfs.transport.tokens import refused_hint
 from rpmemfs.transport.wire import (
     F_CLOSE,
@@ -226,7 +226,7 @@ class Connection:
                 return [], False
         pending = rebuild()
         # All sealed but some still in the record layer: sending the empty rest pushes it out.
-        return pending[_advance(pending, 0, sent):] or [b""], bool(sent)
+        return pending[advance(pending, 0, sent):] or [b""], bool(sent)
 
     async def finish_send(self, rest: list[Buffer], locked: bool) -> int:
         """Send the rest that :meth:`send_nowait` left (``locked``: it kept the send lock)."""

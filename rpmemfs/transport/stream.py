@@ -162,7 +162,7 @@ def _nbytes(buf: Buffer) -> int:
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
-def _advance(pending: list[Buffer], i: int, sent: int) -> int:
+def advance(pending: list[Buffer], i: int, sent: int) -> int:
     """Skip ``sent`` bytes of pending[i:]; returns the index of the first unsent buffer."""
     while i < len(pending):
         n = _nbytes(pending[i])
@@ -193,7 +193,7 @@ def send_nowait(sock: SockIO, bufs: list[Buffer]) -> tuple[list[Buffer], int]:
             except BlockingIOError:
                 break
             calls += 1
-            i = _advance(pending, i, taken)
+            i = advance(pending, i, taken)
         rest = pending[i:]
         return rest or (list(SEALED_REST) if sock.pending else []), calls
     raw = sock.sock
@@ -206,7 +206,7 @@ def send_nowait(sock: SockIO, bufs: list[Buffer]) -> tuple[list[Buffer], int]:
         except InterruptedError:
             continue
         calls += 1
-        i = _advance(pending, i, sent)
+        i = advance(pending, i, sent)
     return pending[i:], calls
 
 
@@ -222,5 +222,5 @@ async def send_all(sock: SockIO, bufs: list[Buffer]) -> int:
     while i < len(pending):
         sent = await sock.sendmsg(pending[i : i + IOV_MAX])
         calls += 1
-        i = _advance(pending, i, sent)
+        i = advance(pending, i, sent)
     return calls

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -36,10 +36,10 @@ from rpmemfs.transport.base import (
     TransportError,
     check_range,
     nbytes,
-    open_request,
     packed_offsets,
 )
 from rpmemfs.transport.conn import Connection, open_connection
+from rpmemfs.transport.control_client import ControlClient, SessionControl
 from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.transport.protection import protects
 from rpmemfs.transport.sockio import Buffer
@@ -336,8 +336,9 @@ class TcpLane:
         self._conn.lose("lane closed")
 
 
-class TcpSession:
-    """A session with one target: the control connection and its lanes."""
+class TcpSession(SessionControl):
+    """A session with one target: the control connection and its lanes; the control
+    operations go through ``ops`` (control_client.py) on the control connection."""
 
     def __init__(
         self,
@@ -351,6 +352,7 @@ class TcpSession:
         protect: bool = True,
     ) -> None:
         self._control = control
+        self.ops = ControlClient(control)
         self._protect = protect
         self._host = host
         self._port = port
@@ -369,63 +371,6 @@ class TcpSession:
         lane = TcpLane(conn)
         self.lanes.append(lane)
         return lane
-
-    async def control(self, request: dict[str, Any]) -> dict[str, Any]:
-        return await self._control.request(request)
-
-    def _region(self, reply: dict[str, Any]) -> RemoteRegion:
-        method = reply.get("method")
-        if method not in ("apm", "gpspm"):
-            raise TransportError(self.peer, f"target advertises persistence method {method!r}, unknown here")
-        try:
-            uuid = reply.get("uuid")
-            return RemoteRegion(
-                name=str(reply["name"]),
-                key=int(reply["key"]),
-                size=int(reply["size"]),
-                uuid=bytes.fromhex(uuid) if uuid else None,
-                method=method,
-                pmem=str(reply.get("pmem", "")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TransportError(self.peer, f"target described the pool badly: {exc!r}") from None
-
-    async def create_pool(self, name: str, size: int) -> RemoteRegion:
-        return self._region(await self.control({"op": "create", "name": name, "size": size}))
-
-    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None, *,
-                        holder: Mapping[str, Any] | None = None, takeover: bool = False) -> RemoteRegion:
-        return self._region(await self.control(open_request(name, epoch, holder, takeover)))
-
-    async def probe_pool(self, name: str) -> dict[str, Any]:
-        return await self.control({"op": "probe", "name": name})
-
-    async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
-        await self.control({"op": "resync", "key": region.key, "active": active})
-
-    async def grow_pool(self, name: str, size: int) -> None:
-        await self.control({"op": "grow", "name": name, "size": size})
-
-    async def close_pool(self, region: RemoteRegion) -> None:
-        await self.control({"op": "close", "key": region.key})
-
-    async def remove_pool(self, name: str) -> None:
-        await self.control({"op": "remove", "name": name})
-
-    async def checksum(self, region: RemoteRegion, offset: int, length: int, chunk: int) -> list[int]:
-        """CRC-32C of each ``chunk`` bytes of [offset, offset + length) of the remote pool."""
-        reply = await self.control(
-            {"op": "checksum", "key": region.key, "offset": offset, "length": length, "chunk": chunk}
-        )
-        crcs = reply.get("crcs")
-        if not isinstance(crcs, list) or len(crcs) != -(-length // chunk):
-            raise TransportError(self.peer, "target answered a checksum request with the wrong count")
-        return [int(c) for c in crcs]
-
-    async def stats(self, name: str | None = None) -> dict[str, Any]:
-        reply = await self.control({"op": "stats"} if name is None else {"op": "stats", "name": name})
-        pools = reply.get("pools", {})
-        return pools if isinstance(pools, dict) else {}
 
     async def aclose(self) -> None:
         # Closing the control connection ends the session: the target drops its lanes and

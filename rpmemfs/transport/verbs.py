@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -62,14 +62,15 @@ from rpmemfs.transport.base import (
     TransportError,
     check_range,
     nbytes,
-    open_request,
     unpack,
 )
+from rpmemfs.transport.control_client import SessionControl
+from rpmemfs.transport.control_ops import REGION_FLUSH_TYPES
 from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 from rpmemfs.transport.tcp import TcpSession
 from rpmemfs.transport.tcp import connect as tcp_connect
 from rpmemfs.transport.verbs_config import VerbsSettings
-from rpmemfs.transport.wire import ATOMIC_SIZE, FLUSH_READ_SIZE, REGION_FLUSH_TYPES
+from rpmemfs.transport.wire import ATOMIC_SIZE, FLUSH_READ_SIZE
 
 log = logging.getLogger("rpmemfs.transport.verbs")
 
@@ -618,12 +619,16 @@ class VerbsLane:
         self._events.close()
 
 
-class VerbsSession:
-    """A session with one target: the TCP control connection and the queue pairs."""
+class VerbsSession(SessionControl):
+    """A session with one target: the TCP control connection and the queue pairs. The
+    control operations go through the TCP session's client (``ops``), pools opened for RDMA."""
+
+    rdma_pools = True
 
     def __init__(self, control: TcpSession, host: str, port: int, info: dict[str, Any], timeout: float,
                  settings: VerbsSettings) -> None:
         self._control = control
+        self.ops = control.ops
         self._host = host
         self._port = port
         self._settings = settings
@@ -742,40 +747,8 @@ class VerbsSession:
         except (KeyError, TypeError, ValueError):
             raise TransportError(self.peer, "the target registered the pool without an rkey") from None
 
-    async def _open(self, request: dict[str, Any]) -> RemoteRegion:
-        raw = await self._control.control({**request, "rdma": True})
-        return self._region(self._control._region(raw), raw)
-
-    async def create_pool(self, name: str, size: int) -> RemoteRegion:
-        return await self._open({"op": "create", "name": name, "size": size})
-
-    async def open_pool(self, name: str, epoch: tuple[int, int] | None = None, *,
-                        holder: Mapping[str, Any] | None = None, takeover: bool = False) -> RemoteRegion:
-        return await self._open(open_request(name, epoch, holder, takeover))
-
-    async def probe_pool(self, name: str) -> dict[str, Any]:
-        return await self._control.probe_pool(name)
-
-    async def mark_resync(self, region: RemoteRegion, active: bool) -> None:
-        await self._control.mark_resync(region, active)
-
-    async def grow_pool(self, name: str, size: int) -> None:
-        await self._control.grow_pool(name, size)
-
-    async def close_pool(self, region: RemoteRegion) -> None:
-        await self._control.close_pool(region)
-
-    async def remove_pool(self, name: str) -> None:
-        await self._control.remove_pool(name)
-
-    async def checksum(self, region: RemoteRegion, offset: int, length: int, chunk: int) -> list[int]:
-        return await self._control.checksum(region, offset, length, chunk)
-
-    async def stats(self, name: str | None = None) -> dict[str, Any]:
-        return await self._control.stats(name)
-
-    async def control(self, request: dict[str, Any]) -> dict[str, Any]:
-        return await self._control.control(request)
+    def registered(self, reply: dict[str, Any]) -> RemoteRegion:
+        return self._region(self.ops.region(reply), reply)
 
     async def aclose(self) -> None:
         for lane in self.lanes:
@@ -824,7 +797,7 @@ async def connect(
         raise TransportError(address, str(exc)) from None
     control = await tcp_connect(address, token, lanes=0, timeout=timeout, wire_protection=wire_protection)
     try:
-        info = await control.control({"op": "rdma"})
+        info = await control.ops.rdma()
         session = VerbsSession(control, host, int(info.get("port", port)), info, timeout, settings)
     except BaseException:
         await control.aclose()

@@ -11,7 +11,8 @@ target's lane loop and the initiator's barrier builder) includes native/rpmem_wi
 native/wire_header.py generates from this module whenever the native helper is built, and
 tests/unit/test_wire_header.py fails when the compiled helper and this module disagree. The
 build loads this file on its own, before the package can be imported, so it imports the
-standard library only.
+standard library only. What control SENDs carry (JSON requests and replies) is declared
+beside it, in control_ops.py.
 """
 
 from __future__ import annotations
@@ -52,14 +53,6 @@ MAX_ERROR_TEXT = 4096
 ATOMIC_SIZE = 8
 # An appliance flush is a READ of this many bytes at offset 0 of the pool.
 FLUSH_READ_SIZE = 8
-
-# Control replies (JSON objects). An open or create with "rdma": true is answered, beside
-# "method", "rkey" and "addr", with REGION_FLUSH_TYPES: the native RDMA FLUSH types the
-# pool's registration allows, strongest first (a subset of NATIVE_FLUSHES; [] for none). A
-# reply without it comes from a target older than the field: its registration allows the
-# global-visibility type exactly when its "rdma" reply said "flush": true.
-REGION_FLUSH_TYPES = "flush_types"
-NATIVE_FLUSHES = ("persistent", "visibility")
 
 # Protected traffic (docs/wire.md): after the handshake each direction of the stream is cut
 # into AEAD records, u32 length L (1..RECORD_MAX), L bytes of ciphertext, a 16-byte tag.

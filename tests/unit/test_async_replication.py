@@ -16,13 +16,13 @@ import pytest
 import trio
 from test_replica_set import NAME, Rig, data, run, until
 
+from rpmemfs.admin.promote import behind
 from rpmemfs.durability import Backlog, Committer, Durability, DurabilityError
 from rpmemfs.durability.backlog import GROUP
 from rpmemfs.pool.layout import BLOCK
 from rpmemfs.pool.position import Position, decode, encode
 from rpmemfs.ranges import Ranges
 from rpmemfs.replica import ReplicaError, ReplicaSet
-from rpmemfs.replica.promote import behind
 
 
 def nchunks(rig: Rig, ranges: Ranges) -> int:

@@ -12,9 +12,9 @@ import trio.testing
 from mempool import new_pool
 from memtransport import MemTarget, MemTransport
 
-from rpmemfs.pool.layout import next_epoch, show_epoch
+from rpmemfs.pool.layout import epoch_gen, next_epoch, show_epoch
 from rpmemfs.replica import ReplicaSet, ReplicaSpec
-from rpmemfs.replica.fencing import probe_replicas
+from rpmemfs.replica.fencing import Claim, ask_owners, probe_replicas
 from rpmemfs.target.owners import Owner, OwnerBook, refusal
 from rpmemfs.target.pooldir import PoolDir
 
@@ -132,6 +132,36 @@ def test_an_old_primary_never_claims_or_writes_a_replica_another_one_claimed() -
     assert rig.targets[1].owners["app"].epoch == G2B  # left to its owner...
     assert rig.targets[1].pools["app"][8192:8200] != b"changed!"  # ...and never written
     assert not [op for op in rig.targets[1].ops if op[0] == "write"]
+
+
+def test_a_mount_moves_its_epoch_only_to_claim_replicas_nobody_else_holds() -> None:
+    """ask_owners: what a mount decides before it claims (mountd/assemble.py, step 3)."""
+    rig = Rig()
+
+    async def ask(takeover: bool = False) -> Claim:
+        return await ask_owners(rig.specs, G1, None, 2.0, rig.transport, takeover=takeover)
+
+    async def main() -> None:
+        claim = await ask()  # nobody claimed them since G1: the next generation
+        assert not claim.taken and not claim.fencing and len(claim.reachable) == 2
+        assert epoch_gen(claim.epoch) == epoch_gen(G1) + 1 and claim.epochs == (G1, claim.epoch)
+        rig.targets[0].drop()
+        rig.targets[1].drop()
+        claim = await ask()  # none reachable: nothing records a new epoch, so it stays
+        assert claim.epoch == G1 and not claim.reachable
+        rig.targets[0].restart()
+        rig.targets[1].restart()
+        rig.targets[1].owners["app"] = Owner(G2B, {"host": "new-primary"})
+        claim = await ask()  # taken over: the epoch stays, the holder is named
+        assert claim.epoch == G1 and [p.spec for p in claim.taken] == [rig.specs[1]]
+        assert f"replica {rig.specs[1]} is held by " in claim.held_by() and "new-primary" in claim.held_by()
+        claim = await ask(takeover=True)  # above every epoch seen, fencing the owner
+        assert not claim.taken and [p.spec for p in claim.fencing] == [rig.specs[1]]
+        assert epoch_gen(claim.epoch) == epoch_gen(G2B) + 1 and claim.epochs == (claim.epoch, claim.epoch)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # Asked, never claimed: no owner recorded where there was none, the other one left as it was.
+    assert "app" not in rig.targets[0].owners and rig.targets[1].owners["app"].epoch == G2B
 
 
 # ------------------------------------------------------------------ an unfinished resync

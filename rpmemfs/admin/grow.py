@@ -13,20 +13,16 @@ from collections.abc import Callable
 
 import trio
 
+from rpmemfs.admin.errors import GrowError
 from rpmemfs.pmem import PoolMapping
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import Header, PoolFormatError
 from rpmemfs.poolfile.grow import check_room, grow_file, grown
-from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, TransportError
 from rpmemfs.transport.choose import transport_for
 from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
-
-
-class GrowError(ReplicationError):
-    """The pool could not be grown; the message says what was changed and what to do."""
 
 
 async def _grow_replicas(specs: list[ReplicaSpec], size: int, token: bytes | None,

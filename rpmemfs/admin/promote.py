@@ -5,8 +5,8 @@ primary can never write the replicas again.
    primary recorded them (the table lives in the pool, so every replica holds it). A file
    at NEWPOOL that is no older copy of this pool is refused here, before anything is
    claimed, unless --force.
-2. Ask every replica who owns it (fencing.probe_replicas) and take an epoch above all of them:
-   the next generation after the highest, with a random nonce.
+2. Ask every replica who owns it (replica/fencing.py, probe_replicas) and take an epoch above
+   all of them: the next generation after the highest, with a random nonce.
 3. Claim every reachable replica with it, as a takeover. Each target records the claim before
    it answers and drops the old primary's registration, so the old primary is fenced from
    here on, before the new one has written anything. A replica that refuses (another
@@ -31,27 +31,26 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import trio
 
 from rpmemfs import safeopen
-from rpmemfs.holders import busy
-from rpmemfs.pmem import PmemError, PoolMapping
-from rpmemfs.pool import position
-from rpmemfs.pool.header import read_header, write_header
-from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
-from rpmemfs.poolfile import place
-from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
-from rpmemfs.replica.repair import (
-    RepairError,
+from rpmemfs.admin.errors import RepairError
+from rpmemfs.admin.source import (
     make_destination,
     mark_others_full,
     read_runs,
     refuse_unfinished,
     source_header,
 )
+from rpmemfs.holders import busy
+from rpmemfs.pmem import PmemError, PoolMapping
+from rpmemfs.pool import position
+from rpmemfs.pool.header import read_header, write_epoch
+from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
+from rpmemfs.poolfile import place
+from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.replica.table import inspect_table
 from rpmemfs.replica.verify import chunk_of, count_chunks, differing_chunks
@@ -262,7 +261,6 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
 def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec) -> None:
     """The new epoch in the header, the source in sync in a sync map under that epoch."""
     with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
-        promoted = replace(hdr, epoch=epoch)
-        mapping.persist(write_header(mapping.buf, promoted))
+        promoted, _ = write_epoch(mapping.buf, hdr, epoch, mapping.persist)
         mark_others_full(mapping, promoted, source)
         mapping.persist([(0, promoted.pool_size)])
