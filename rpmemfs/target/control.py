@@ -92,6 +92,10 @@ class ControlService:
         if not isinstance(request, dict):
             return {"ok": False, "error": "control request must be a JSON object", "code": "request"}
         op = request.get("op")
+        if not isinstance(op, str):
+            # A list or object here once reached the token check unhashable: an internal
+            # error that cost the client its connection instead of this answer.
+            return {"ok": False, "error": f"unknown control op {str(op)[:40]!r}", "code": "request"}
         try:
             session.grant.check(op, request)
             declared = find_op(op)
