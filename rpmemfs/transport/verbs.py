@@ -159,7 +159,9 @@ class VerbsLane:
         for slot in range(credits):
             self._qp.post_recv(self._msgs, slot * rdma.MSG_SIZE, rdma.MSG_SIZE, slot)
         self._read_wrs: dict[int, Any] = {}  # region key -> its flush READ, reused
-        self._flush_wrs: dict[int, Any] = {}  # region key -> its native FLUSH, re-aimed
+        # (region key, persistent type?) -> its native FLUSH, re-aimed: the type is part of
+        # the request, and a caller may end barriers to one region with either.
+        self._flush_wrs: dict[tuple[int, bool], Any] = {}
         self._last_local: tuple[LocalPool, int, Any] | None = None  # (pool, address, MR)
 
     @property
@@ -439,10 +441,10 @@ class VerbsLane:
             if at_once:
                 # As with the READ: one FLUSH request object per region, re-aimed each time
                 # (building a pyverbs work request costs more than posting it).
-                flush = self._flush_wrs.get(region.key)
+                flush = self._flush_wrs.get((region.key, persistent))
                 if flush is None:
-                    flush = self._flush_wrs[region.key] = rdma.flush_wr(0, region.rkey, region.raddr, 8,
-                                                                        persistent)
+                    flush = self._flush_wrs[region.key, persistent] = rdma.flush_wr(
+                        0, region.rkey, region.raddr, 8, persistent)
                 rdma.aim_flush(flush, self._wr_id(), region.raddr + start, end - start)
                 ticket.end_wr = flush.wr_id
                 self._post([*wrs, flush], ticket)
