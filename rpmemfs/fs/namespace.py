@@ -170,19 +170,24 @@ class Namespace:
         pnode = self.inodes[parent]
         assert pnode.children is not None
         del pnode.children[name]
+        self._drop_name(node, pnode)
+        pnode.tick(mtime=True)
+        changes.touch(pnode)
+        entries = [R.unlink(parent, name)]
+        freed = self.free_if_unused(node)
+        entries.extend(freed)
+        changes.commit(entries, freeing=[node.ino] if freed else None)
+
+    def _drop_name(self, node: Inode, pnode: Inode) -> None:
+        """``node`` lost its name in directory ``pnode`` (unlinked, or replaced by a rename):
+        a directory's links all go (and its ".." in the parent), a file's one."""
         if node.is_dir:
             node.nlink = 0
             pnode.nlink -= 1
         else:
             node.nlink -= 1
         node.tick()
-        pnode.tick(mtime=True)
-        changes.touch(pnode)
-        changes.touch(node)
-        entries = [R.unlink(parent, name)]
-        freed = self.free_if_unused(node)
-        entries.extend(freed)
-        changes.commit(entries, freeing=[node.ino] if freed else None)
+        self.changes.touch(node)
 
     def _is_ancestor(self, ino: int, of: int) -> bool:
         """Is directory ino the same as, or an ancestor of, directory `of`?"""
@@ -243,13 +248,7 @@ class Namespace:
             changes.touch(dst)
         else:
             if dst is not None:
-                if dst.is_dir:
-                    dst.nlink = 0
-                    np_.nlink -= 1
-                else:
-                    dst.nlink -= 1
-                dst.tick()
-                changes.touch(dst)
+                self._drop_name(dst, np_)
                 freed = self.free_if_unused(dst)
                 if freed:
                     freeing.append(dst.ino)
