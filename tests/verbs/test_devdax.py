@@ -26,7 +26,16 @@ from typing import Any
 
 import helpers
 import pytest
-from helpers import Mount, assert_check_clean, assert_clean_error, cli, describe, status_json, write_fsync
+from helpers import (
+    Mount,
+    assert_check_clean,
+    assert_clean_error,
+    cli,
+    describe,
+    status_json,
+    wait_until,
+    write_fsync,
+)
 
 from rpmemfs.devdax import probe
 from rpmemfs.tools.processes import TargetProcess
@@ -228,8 +237,8 @@ def test_failover_fail_back_and_recover_with_pools_on_device_dax(
 
     mounts: list[Mount] = []
 
-    def mount(pool: Path, name: str) -> Mount:
-        m = Mount(pool, work / name, work, options="pmem=auto")
+    def mount(pool: Path, name: str, options: str = "pmem=auto") -> Mount:
+        m = Mount(pool, work / name, work, options=options)
         mounts.append(m)
         return m
 
@@ -260,7 +269,8 @@ def test_failover_fail_back_and_recover_with_pools_on_device_dax(
         assert len(took["claimed"]) == 1 and not took["unreachable"], took
         # The old primary, on its device, is fenced: its next mount is refused.
         assert "taken over" in mount(Path(primary), "again").start_expect_failure()
-        new = mount(new_pool, "new")
+        # min_replicas=0: it writes on while its one replica is stopped, below.
+        new = mount(new_pool, "new", "pmem=auto,min_replicas=0,replica_timeout=5")
         new.start()
         for name, payload in first.items():
             assert (new.path / name).read_bytes() == payload, name
@@ -270,6 +280,20 @@ def test_failover_fail_back_and_recover_with_pools_on_device_dax(
         rep = status_json(new.path)["replicas"][0]
         assert rep["state"] == "in-sync" and rep["method"] == "apm", rep
         assert rep["flush"] == ("persistent" if native_flush() else "read"), rep
+        res = cli("verify", new.path, timeout=600)  # the device replica, chunk by chunk
+        assert res.returncode == 0 and ": identical," in res.stdout, describe(res)
+        # Resync onto the device: the target stops, the primary writes on, and the target
+        # back on its device is sent what it missed.
+        t.stop()
+        third = {f"c{i}": os.urandom(50_000) for i in range(3)}
+        for name, payload in third.items():
+            write_fsync(new.path / name, payload)
+        t = t.respawn(work / "target-again.log")
+        t.start(timeout=180)
+        assert wait_until(lambda: status_json(new.path)["replicas"][0]["state"] == "in-sync", timeout=600), \
+            status_json(new.path)
+        assert status_json(new.path)["replicas"][0]["resyncs"] >= 1
+        second.update(third)
         new.unmount()
 
         # Fail-back onto the device: it holds an older copy of this pool, so only the chunks
@@ -282,7 +306,11 @@ def test_failover_fail_back_and_recover_with_pools_on_device_dax(
         for name, payload in {**first, **second}.items():
             assert (home.path / name).read_bytes() == payload, name
         assert status_json(home.path)["pmem_mode"] == "devdax"
+        res = cli("verify", home.path, timeout=600)  # a device primary against a device replica
+        assert res.returncode == 0 and ": identical," in res.stdout, describe(res)
         home.unmount()
+        res = cli("sync", primary, "--token-file", token, timeout=600)  # offline, on the device
+        assert res.returncode == 0, describe(res)
 
         # recover rewrites the device from the replica: a device holding a pool only with
         # --force, and what it makes checks clean and mounts with every file.
