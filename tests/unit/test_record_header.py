@@ -12,50 +12,32 @@ its Python wrapper spells the header themselves again.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from native_headers import NATIVE, assert_built_constants, assert_built_struct, load_generator
 
 from rpmemfs import native
 from rpmemfs.fs import record_format, records
-from rpmemfs.native import ffi, lib
+from rpmemfs.native import ffi
 
-NATIVE = Path(__file__).resolve().parents[2] / "native"
 REBUILD = "the native helper was built from another record_format.py: rebuild it (pip install -e .)"
 
 
-def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_record_header_under_test", NATIVE / "record_header.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = load_generator("record_header")
 
 
 def test_constants_in_the_built_helper_are_record_format_s() -> None:
     expected = GEN.constants(record_format)
     assert expected["RPM_REC_HEADER_SIZE"] == record_format.HEADER_SIZE == 16
-    built = {}
-    for name in expected:
-        try:
-            built[name] = getattr(lib, name)
-        except (AttributeError, ffi.error) as exc:  # ffi.error: the C compiler saw another value
-            pytest.fail(f"{name}: {exc}; {REBUILD}")
-    assert built == expected, REBUILD
+    assert_built_constants(expected, REBUILD)
 
 
 def test_the_struct_layout_in_the_built_helper_is_record_format_s() -> None:
     size, members = GEN.layout(record_format)
-    ctype = ffi.typeof(f"struct {GEN.STRUCT}")
-    assert ffi.sizeof(ctype) == size, REBUILD
-    assert [(name, field.type.cname, field.offset) for name, field in ctype.fields] == members, REBUILD
+    assert_built_struct(GEN.STRUCT, size, members, REBUILD)
 
 
 def test_records_are_packed_with_record_format_s_header() -> None:

@@ -10,50 +10,32 @@ when the C sources spell the format themselves again instead of including the he
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from native_headers import NATIVE, assert_built_constants, assert_built_struct, load_generator
 
-from rpmemfs.native import ffi, lib
+from rpmemfs.native import ffi
 from rpmemfs.transport import wire
 
-NATIVE = Path(__file__).resolve().parents[2] / "native"
 REBUILD = "the native helper was built from another wire.py: rebuild it (pip install -e .)"
 
 
-def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_wire_header_under_test", NATIVE / "wire_header.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = load_generator("wire_header")
 
 
 def test_constants_in_the_built_helper_are_wire_py_s() -> None:
     expected = GEN.constants(wire)
     assert expected["RPM_WIRE_OP_WRITE"] == wire.Op.WRITE  # the names are the ones C uses
-    built = {}
-    for name in expected:
-        try:
-            built[name] = getattr(lib, name)
-        except (AttributeError, ffi.error) as exc:  # ffi.error: the C compiler saw another value
-            pytest.fail(f"{name}: {exc}; {REBUILD}")
-    assert built == expected, REBUILD
+    assert_built_constants(expected, REBUILD)
 
 
 @pytest.mark.parametrize("struct_name", [name for name, _ in GEN.STRUCTS])
 def test_struct_layouts_in_the_built_helper_are_wire_py_s(struct_name: str) -> None:
     size, members = GEN.layouts(wire)[struct_name]
-    ctype = ffi.typeof(f"struct {struct_name}")
-    assert ffi.sizeof(ctype) == size, REBUILD
-    assert [(name, field.type.cname, field.offset) for name, field in ctype.fields] == members, REBUILD
+    assert_built_struct(struct_name, size, members, REBUILD)
 
 
 def test_layouts_follow_wire_py_s_struct_formats() -> None:
