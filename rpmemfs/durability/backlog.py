@@ -15,25 +15,27 @@ ordered barrier lane, so a replica cut off at any instant holds some points whol
 of the next: the state of a crash of the primary in the middle of that point, which recovery
 handles (a torn or missing record is ignored).
 
-Every batch is a barrier of its own (its writes and one flush), never merged with the next:
-a target persists one barrier's ranges in no particular order, but a lane's barriers one after
-another (it persists a flush before it reads the next frame). So the log space and the blocks
-a point frees may be reused at once (the point is "durable" to the filesystem when it is
-persistent here and queued): a later point that reuses them is a later barrier, which each
-target places only after it persisted the one that freed them. A replica behind thus sees the
-primary's states in order, even across a power loss of its own node, as in sync mode.
-(Merging waiting batches into one barrier would save flushes, but then a reuse could share a
-barrier with the record that allowed it; measured, points under load are already grouped by
-the filesystem, one batch per round of the event loop, so merging found nothing to merge.)
+Points taken while a replica has a barrier in flight **share one batch** (group commit, as
+sync mode's points share a barrier): the batch at the tail of the queue stays open to later
+points until a sender posts it, which a sender does at once when nothing is in flight to its
+replica, else when its barriers in flight are acknowledged; or until it holds ``merge`` bytes.
+A batch is one barrier (its writes and one flush), and a target persists one barrier's ranges
+in no particular order, but a lane's barriers one after another (it persists a flush before it
+reads the next frame). So what a point frees (log space, blocks) must not be reused in its own
+batch: the filesystem is told a point is durable (:meth:`Backlog.take`'s ``durable``) only when
+its batch is closed to later points. A later point that reuses what it freed is then a later
+barrier, which each target places only after it persisted the one that freed it, and a replica
+behind sees the primary's states in order, even across a power loss of its own node, as in sync
+mode. Under load this is what keeps the daemon's work per point small: one barrier to each
+replica per round trip, not one per point (2 replicas, 16 writers: about 1 barrier per point
+before, docs/benchmarks.md).
 
 Each in-sync replica has a :class:`Follower`: a sender that posts the batches behind its last
 one (at once from the point itself when nothing is in flight to it), and a completer that
-takes their acknowledgements in order. A sender that finds several batches queued posts up
-to ``GROUP`` of them in one go, each still a barrier of its own, and hands them to the
-completer together, which releases them and wakes the writers once for the group: under
-load the replicas fell behind by the whole of max_lag because each batch cost the daemon its
-own hops between tasks (2 replicas, 16 writers: 11-12.5k IOPS, 16.6-16.9k in groups of 16).
-At most ``WINDOW`` groups are in flight.
+takes their acknowledgements in order. A sender that finds several closed batches queued (a
+slow replica, or points larger than ``merge``) posts up to ``GROUP`` of them in one go, each a
+barrier of its own, and hands them to the completer together, which releases them and wakes
+the writers once for the group. At most ``WINDOW`` groups are in flight.
 
 A replica's **lag** is the bytes of the batches it has not acknowledged, and the age of the
 oldest of them. A replica that fails (an error, a timeout, or more than ``max_lag`` behind
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +68,11 @@ from rpmemfs.replica.replica import IN_SYNC, Posted, Replica
 DEFAULT_MAX_LAG = 64 << 20
 WINDOW = 32  # groups of barriers in flight per replica (what they hold is bounded by max_lag)
 GROUP = 16  # queued batches a sender posts in one go, each a barrier of its own
+# A batch stays open to later points up to this size (and MERGE_RANGES ranges): large enough
+# for a round of 16 writers' 4 KiB points many times over, small enough that a batch is
+# soon closed under a stream of large writes, and what a point's "durable" may wait for.
+MERGE_BYTES = 1 << 20
+MERGE_RANGES = 1024
 
 
 @dataclass(eq=False)
@@ -73,14 +81,23 @@ class Batch:
 
     n: int  # its number in the backlog: 0, 1, 2, ...
     ranges: Ranges  # (offset, length), none empty
-    data: bytes  # the ranges' bytes, back to back (one copy, sent from C as it is)
+    data: bytearray  # the ranges' bytes, back to back (one copy, sent from C as it is)
     end: int  # bytes taken up to and including this batch
-    taken: float  # trio.current_time() at the point
-    wall: float  # time.time() at the point
+    taken: float  # trio.current_time() at its first point
+    wall: float  # time.time() at its last point
+    # While later points may join it: what to tell the filesystem once it is closed (each
+    # point's "durable", in order). None once closed.
+    joining: list[Callable[[], None]] | None = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return len(self.data)
+
+    def close(self) -> None:
+        """No later point joins it: its points are durable to the filesystem from now on."""
+        told, self.joining = self.joining, None
+        for durable in told or ():
+            durable()
 
 
 PostedGroup = list[tuple[Posted, Batch]]  # barriers posted together, in order
@@ -105,11 +122,12 @@ class Follower:
 class Backlog:
     """The batches of one mount's replicas, and their senders (run :meth:`run`)."""
 
-    def __init__(self, rs: Barriers, max_lag: int = DEFAULT_MAX_LAG) -> None:
+    def __init__(self, rs: Barriers, max_lag: int = DEFAULT_MAX_LAG, merge: int = MERGE_BYTES) -> None:
         if max_lag <= 0:
             raise ValueError(f"max_lag={max_lag}: must be above 0")
         self.rs = rs
         self.max_lag = max_lag
+        self.merge = merge  # bytes a batch open to later points may hold (0: none joins)
         self.batches: deque[Batch] = deque()
         self.count = 0  # batches taken
         self.total = 0  # bytes taken
@@ -126,10 +144,13 @@ class Backlog:
 
     # ---------------------------------------------------------------- the points
 
-    def take(self, ranges: Ranges) -> None:
+    def take(self, ranges: Ranges, durable: Callable[[], None] = lambda: None) -> None:
         """Queue a point's ranges with their bytes now (call under the barrier lock, right after
         the local persist). ReplicaError, queuing nothing, when fewer than ``min_replicas``
-        are in sync (as a barrier in sync mode); replicas out of sync are marked either way."""
+        are in sync (as a barrier in sync mode); replicas out of sync are marked either way.
+
+        ``durable`` is called once the point's batch is closed to later points (at once when
+        a replica can be sent it now): from then on what the point freed may be reused."""
         rs = self.rs
         rs.mark_missing(ranges)
         error = rs.shortfall()
@@ -138,15 +159,16 @@ class Backlog:
         buf = rs.local_buf
         size = len(buf)
         kept: Ranges = []
+        nbytes = 0
         for off, length in ranges:
             if off < 0 or length < 0 or off + length > size:
                 raise ValueError(f"range ({off}, {length}) is outside the local pool of {size} bytes")
             if length:
                 kept.append((off, length))
+                nbytes += length
         if not kept:
+            self.after_queued(durable)
             return
-        data = b"".join([buf[off : off + length] for off, length in kept])
-        nbytes = len(data)
         for replica in rs.in_sync:
             f = self.followers.get(replica)
             if f is None or f.joins != replica.joins:
@@ -154,8 +176,29 @@ class Backlog:
                     self._drop(f)
                 self._follow(replica)
         self.total += nbytes
-        self.batches.append(Batch(self.count, kept, data, self.total, trio.current_time(), time.time()))
-        self.count += 1
+        tail = self.batches[-1] if self.batches else None
+        if (tail is not None and tail.joining is not None and tail.nbytes + nbytes <= self.merge
+                and len(tail.ranges) + len(kept) <= MERGE_RANGES):
+            # Every replica has a barrier in flight (or it would have been sent the tail):
+            # this point goes out with the tail, after the points already in it.
+            for off, length in kept:
+                tail.data += buf[off : off + length]
+            tail.ranges += kept
+            tail.end, tail.wall = self.total, time.time()
+            tail.joining.append(durable)
+        else:
+            if tail is not None:
+                tail.close()
+            data = bytearray(nbytes)
+            at = 0
+            for off, length in kept:
+                data[at : at + length] = buf[off : off + length]
+                at += length
+            self.batches.append(Batch(self.count, kept, data, self.total, trio.current_time(), time.time(),
+                                      [durable]))
+            self.count += 1
+            if nbytes > self.merge:
+                self.batches[-1].close()
         for f in list(self.followers.values()):
             if f.send is not None and f.next_post == f.next_ack == self.count - 1:
                 # Nothing in flight to it: post at once, saving a hop to its sender.
@@ -166,6 +209,14 @@ class Backlog:
                 f.wake.set()
         self._pull_ahead()
         self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
+
+    def after_queued(self, durable: Callable[[], None]) -> None:
+        """``durable`` of a point with nothing to send: after the points queued before it."""
+        tail = self.batches[-1] if self.batches else None
+        if tail is not None and tail.joining is not None:
+            tail.joining.append(durable)
+        else:
+            durable()
 
     async def wait_room(self) -> None:
         """Wait while the replicas the policy requires lag by more than ``max_lag`` bytes;
@@ -286,7 +337,10 @@ class Backlog:
 
     async def _post(self, f: Follower, send: trio.MemorySendChannel[PostedGroup]) -> None:
         while not f.gone:
-            if f.next_post >= self.count:
+            b = self._batch(f.next_post)
+            if b is None or (b.joining is not None and f.next_post != f.next_ack):
+                # Nothing queued, or only the open batch while barriers are in flight: later
+                # points join it until they are acknowledged (the completer wakes this).
                 await f.wake.wait()
                 f.wake = trio.Event()
                 continue
@@ -306,6 +360,10 @@ class Backlog:
         while f.next_post < self.count and len(group) < GROUP:
             b = self._batch(f.next_post)
             assert b is not None
+            if b.joining is not None:
+                if group:
+                    break  # the open batch goes out alone, when these are acknowledged
+                b.close()
             posted = replica.post_copies(b.data, b.ranges)
             if posted is None:  # the replica is stale now
                 self._drop(f)
@@ -327,6 +385,8 @@ class Backlog:
                 f.next_ack = batch.n + 1
                 f.acked_bytes = batch.end
                 f.acked_wall = batch.wall
+            if f.next_ack == f.next_post:
+                f.wake.set()  # nothing in flight: the open batch may go now
             self._release()
 
     # ---------------------------------------------------------------- failures
@@ -374,6 +434,6 @@ class Backlog:
         """Free the batches every follower has acknowledged; wake whoever waits for progress."""
         low = min((f.next_ack for f in self.followers.values()), default=self.count)
         while self.batches and self.batches[0].n < low:
-            self.batches.popleft()
+            self.batches.popleft().close()
         self._moved.set()
         self._moved = trio.Event()

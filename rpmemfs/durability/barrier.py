@@ -27,8 +27,8 @@ complete, end; pipelined, in log order, with what failed sent again.
 
 With asynchronous replication (a :class:`~rpmemfs.durability.backlog.Backlog`), steps 3 and 4
 are the backlog's: under the lock the point's bytes are copied into it, the point ends at once,
-and the caller waits only while the replicas lag by more than ``max_lag`` (backlog.py says why
-ending the point there is safe for the replicas too).
+and the caller waits only while the replicas lag by more than ``max_lag``. Step 5 comes when
+the batch the point joined is closed to later points (backlog.py says why then).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -246,11 +247,14 @@ class Durability:
         async with _held(rs.lock):
             changes = self._persist_locally()
             ranges = self._for_replicas(changes)
+            # Durable to the filesystem once the point's batch is closed to later points, so
+            # that what it frees is reused only in a later barrier (backlog.py says why).
+            durable = partial(self._source.mark_durable, changes.seq, changes.tail)
             if ranges:
                 if changes.stamp is None:  # a point without a log record is stamped here
                     ranges.append(self._stamp(rs.local_buf, changes.seq))
                 try:
-                    backlog.take(ranges)
+                    backlog.take(ranges, durable)
                 except ReplicaError as e:
                     # As in sync mode: nothing went out, the next point carries the ranges.
                     self._carry[:0] = ranges
@@ -258,9 +262,8 @@ class Durability:
                     if report:
                         log.error("replication barrier failed: %s", e)
                     raise DurabilityError(str(e)) from None
-            # Persistent here and queued as a barrier of its own, ahead of any later point that
-            # would reuse what it freed: reuse is safe on every replica (backlog.py).
-            self._source.mark_durable(changes.seq, changes.tail)
+            else:
+                backlog.after_queued(durable)
         try:
             await backlog.wait_room()
         except ReplicaError as e:

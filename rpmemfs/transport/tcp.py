@@ -187,8 +187,8 @@ class TcpLane:
         the frames are built and sent in C, with no Python object per range."""
         return self._post_native(region, local, ranges, None, method)
 
-    def post_barrier_packed(self, region: RemoteRegion, data: bytes, ranges: Sequence[tuple[int, int]],
-                            method: Method | None = None) -> TcpTicket:
+    def post_barrier_packed(self, region: RemoteRegion, data: bytes | bytearray,
+                            ranges: Sequence[tuple[int, int]], method: Method | None = None) -> TcpTicket:
         packed, src = LocalPool(memoryview(data), ffi.from_buffer(data)), packed_offsets(data, ranges)
         return self._post_native(region, packed, ranges, src, method)
 

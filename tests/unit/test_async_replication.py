@@ -61,7 +61,7 @@ def test_points_reach_each_replica_in_order_each_a_barrier_with_its_own_flush() 
     async def main() -> None:
         rig = Rig(2)
         rs = await rig.open()
-        backlog = Backlog(rs)
+        backlog = Backlog(rs, merge=0)  # no point joins another's batch
         marks = [len(t.ops) for t in rig.targets]
         points: list[Ranges] = []
         for i in range(10):
@@ -83,6 +83,70 @@ def test_points_reach_each_replica_in_order_each_a_barrier_with_its_own_flush() 
         assert not backlog.batches  # nothing held once every replica acknowledged
         lag = backlog.lag(rs.replicas[0])
         assert lag is not None and (lag["lag_bytes"], lag["lag_seconds"], lag["lag_batches"]) == (0, 0.0, 0)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_points_queued_meanwhile_share_a_barrier_and_are_durable_only_once_it_is_closed() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open()
+        backlog = Backlog(rs)
+        marks = [len(t.ops) for t in rig.targets]
+        durable: list[int] = []
+        points: list[Ranges] = []
+
+        async def point(i: int) -> None:
+            p = [data(rig.hdr, 7, 100 + i, skip=i), data(rig.hdr, 9 + i)]
+            rig.scribble(p)
+            async with rs.lock:
+                backlog.take(p, lambda: durable.append(i))
+            points.append(p)
+
+        for i in range(5):  # no sender runs: each joins the open batch
+            await point(i)
+        # Not durable to the filesystem yet: a later point could still join their batch, and
+        # so must not reuse what they freed.
+        assert durable == [] and len(backlog.batches) == 1
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backlog.run)
+            await backlog.drained()
+            assert durable == [0, 1, 2, 3, 4]  # closed when first sent
+            for t in rig.targets:
+                t.delay(0.5)
+            await point(5)  # nothing in flight: sent at once, alone, durable at once
+            assert durable[-1] == 5
+            await point(6)  # both have 5 in flight: 6 and 7 share the next barrier
+            await point(7)
+            assert durable[-1] == 5 and len(backlog.batches) == 2
+            await backlog.drained()
+            assert durable == list(range(8))
+            nursery.cancel_scope.cancel()
+        for i, t in enumerate(rig.targets):
+            assert t.writes(marks[i]) == [r for p in points for r in p]  # in order
+        # One barrier for points 0-4, one for 5, one for 6 and 7.
+        assert [t.flushes(m) for t, m in zip(rig.targets, marks, strict=True)] == [3, 3]
+        assert rig.identical(0) and rig.identical(1)
+        await rs.aclose()
+
+    run(main)
+
+
+def test_a_point_larger_than_merge_is_a_batch_of_its_own_and_durable_at_once() -> None:
+    async def main() -> None:
+        rig = Rig(1)
+        rs = await rig.open()
+        backlog = Backlog(rs, merge=2 * BLOCK)
+        durable: list[int] = []
+        async with rs.lock:
+            backlog.take([data(rig.hdr, 1)], lambda: durable.append(1))
+            backlog.take([data(rig.hdr, 2, 3 * BLOCK)], lambda: durable.append(2))
+            backlog.after_queued(lambda: durable.append(3))  # nothing to send: after 2
+            backlog.take([data(rig.hdr, 9)], lambda: durable.append(4))
+        assert durable == [1, 2, 3] and len(backlog.batches) == 3
+        await backlog.drained()
+        assert durable == [1, 2, 3, 4]
         await rs.aclose()
 
     run(main)
@@ -192,7 +256,7 @@ def test_a_barrier_failing_inside_a_group_marks_that_batch_and_the_later_ones_on
     async def main() -> None:
         rig = Rig(2)
         rs = await rig.open(min_replicas=1)
-        backlog = Backlog(rs)
+        backlog = Backlog(rs, merge=0)  # a barrier per point
         # Queued before the senders start, so each replica's sender posts them as one group.
         points = [[data(rig.hdr, 20 * (i + 1))] for i in range(6)]
         assert len(points) <= GROUP
@@ -297,7 +361,10 @@ def test_an_async_point_ends_locally_and_flush_waits_for_the_replicas() -> None:
             t0 = trio.current_time()
             await d.point()
             assert trio.current_time() == t0  # no replica was waited for
-            assert src.durable == [1]  # and its log space and freed blocks are reusable
+            await trio.testing.wait_all_tasks_blocked()  # (its replicas' senders start)
+            # Sent, so no later point joins its barrier: its log space and freed blocks are
+            # reusable, long before the replicas acknowledge it.
+            assert src.durable == [1] and trio.current_time() == t0
             src.queue.append(Changes(data=[data(rig.hdr, 12)], seq=2))
             rig.scribble([data(rig.hdr, 12)])
             await d.flush()
