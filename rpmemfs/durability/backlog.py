@@ -152,10 +152,14 @@ class Backlog:
         ``durable`` is called once the point's batch is closed to later points (at once when
         a replica can be sent it now): from then on what the point freed may be reused."""
         rs = self.rs
-        rs.mark_missing(ranges)
-        error = rs.shortfall()
-        if error is not None:
-            raise error
+        # Every point in async mode comes here: the common case (every replica in sync and
+        # followed, the tail open) costs few Python steps.
+        in_sync = rs.in_sync
+        if len(in_sync) < len(rs.replicas):
+            rs.mark_missing(ranges)
+            error = rs.shortfall()
+            if error is not None:
+                raise error
         buf = rs.local_buf
         size = len(buf)
         kept: Ranges = []
@@ -169,20 +173,27 @@ class Backlog:
         if not kept:
             self.after_queued(durable)
             return
-        for replica in rs.in_sync:
-            f = self.followers.get(replica)
+        followers = self.followers
+        joined = False
+        for replica in in_sync:
+            f = followers.get(replica)
             if f is None or f.joins != replica.joins:
                 if f is not None:
                     self._drop(f)
                 self._follow(replica)
+                joined = True
         self.total += nbytes
         tail = self.batches[-1] if self.batches else None
-        if (tail is not None and tail.joining is not None and tail.nbytes + nbytes <= self.merge
-                and len(tail.ranges) + len(kept) <= MERGE_RANGES):
+        # A replica that joined now follows from the next batch on (its resync sent it what
+        # came before), so this point must not join the tail.
+        if (not joined and tail is not None and tail.joining is not None
+                and tail.nbytes + nbytes <= self.merge and len(tail.ranges) + len(kept) <= MERGE_RANGES):
             # Every replica has a barrier in flight (or it would have been sent the tail):
-            # this point goes out with the tail, after the points already in it.
+            # this point goes out with the tail, after the points already in it, once a
+            # completer finds its replica with nothing in flight and wakes its sender.
+            data = tail.data
             for off, length in kept:
-                tail.data += buf[off : off + length]
+                data += buf[off : off + length]
             tail.ranges += kept
             tail.end, tail.wall = self.total, time.time()
             tail.joining.append(durable)
@@ -199,16 +210,18 @@ class Backlog:
             self.count += 1
             if nbytes > self.merge:
                 self.batches[-1].close()
-        for f in list(self.followers.values()):
-            if f.send is not None and f.next_post == f.next_ack == self.count - 1:
-                # Nothing in flight to it: post at once, saving a hop to its sender.
-                item = self._post_now(f)
-                if item is not None:
-                    f.send.send_nowait(item)
-            else:
-                f.wake.set()
-        self._pull_ahead()
-        self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
+            for f in list(followers.values()):
+                if f.send is not None and f.next_post == f.next_ack == self.count - 1:
+                    # Nothing in flight to it: post at once, saving a hop to its sender.
+                    item = self._post_now(f)
+                    if item is not None:
+                        f.send.send_nowait(item)
+                else:
+                    f.wake.set()
+        if len(followers) > rs.min_replicas:
+            self._pull_ahead()
+        if not followers:
+            self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
 
     def after_queued(self, durable: Callable[[], None]) -> None:
         """``durable`` of a point with nothing to send: after the points queued before it."""
@@ -236,7 +249,10 @@ class Backlog:
         k = self.rs.min_replicas
         if k == 0:
             return 0
-        lags = sorted(self.total - f.acked_bytes for f in self.followers.values())
+        followers = self.followers
+        if len(followers) == k:  # the common case: the most behind of them
+            return self.total - min([f.acked_bytes for f in followers.values()])
+        lags = sorted(self.total - f.acked_bytes for f in followers.values())
         return lags[k - 1] if len(lags) >= k else None
 
     async def drained(self) -> None:

@@ -252,6 +252,43 @@ def test_a_replica_that_fails_is_marked_for_everything_it_missed_queued_included
     run(main)
 
 
+def test_a_replica_that_rejoins_while_the_open_batch_waits_gets_the_next_point() -> None:
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=1)
+        rs.reconnect_interval = 0.05
+        backlog = Backlog(rs)
+        target = rig.targets[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rs.keep)
+            await nursery.start(backlog.run)
+            target.hang()
+            p0 = [data(rig.hdr, 1)]
+            rig.scribble(p0)
+            await take(rs, backlog, p0)
+            await until(lambda: rs.replicas[1].state != "in-sync", 30)
+            rig.targets[0].delay(5.0)
+            p1, p2 = [data(rig.hdr, 2)], [data(rig.hdr, 3)]
+            for p in (p1, p2):  # p1 goes out at once; p2 opens a batch behind it
+                rig.scribble(p)
+                await take(rs, backlog, p)
+            assert backlog.batches[-1].joining is not None
+            target.restart()
+            await until(lambda: rs.replicas[1].state == "in-sync", 4)  # p1 still in flight
+            assert backlog.batches[-1].joining is not None
+            mark = len(target.ops)
+            p3 = [data(rig.hdr, 4)]
+            rig.scribble(p3)
+            await take(rs, backlog, p3)  # not in the open batch: the replica follows from here
+            await backlog.drained()
+            assert target.writes(mark) == p3
+            assert rig.identical(0) and rig.identical(1)
+            nursery.cancel_scope.cancel()
+        await rs.aclose()
+
+    run(main)
+
+
 def test_a_barrier_failing_inside_a_group_marks_that_batch_and_the_later_ones_only() -> None:
     async def main() -> None:
         rig = Rig(2)
