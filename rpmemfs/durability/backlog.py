@@ -130,6 +130,7 @@ class Backlog:
         self.merge = merge  # bytes a batch open to later points may hold (0: none joins)
         self.batches: deque[Batch] = deque()
         self.count = 0  # batches taken
+        self.points = 0  # points taken (several may share a batch)
         self.total = 0  # bytes taken
         self.followers: dict[Replica, Follower] = {}
         self._moved = trio.Event()  # set (and replaced) when an acknowledgement or a failure lands
@@ -173,6 +174,7 @@ class Backlog:
         if not kept:
             self.after_queued(durable)
             return
+        self.points += 1
         followers = self.followers
         joined = False
         for replica in in_sync:
@@ -299,7 +301,7 @@ class Backlog:
 
     def status(self) -> dict[str, Any]:
         return {"max_lag": self.max_lag, "queued_bytes": sum(b.nbytes for b in self.batches),
-                "queued_batches": len(self.batches), "taken_batches": self.count,
+                "queued_batches": len(self.batches), "taken_batches": self.count, "taken_points": self.points,
                 "taken_bytes": self.total}
 
     def _batch(self, n: int) -> Batch | None:

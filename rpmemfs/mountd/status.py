@@ -79,7 +79,7 @@ def _replication(st: dict[str, Any]) -> list[str]:
         return []
     return [f"  replication async, max_lag {human(int(backlog.get('max_lag', 0)))}; queued "
             f"{human(int(backlog.get('queued_bytes', 0)))} in "
-            f"{count(int(backlog.get('queued_batches') or 0), 'point')}"]
+            f"{count(int(backlog.get('queued_batches') or 0), 'batch', 'batches')}"]
 
 
 def _progress(r: dict[str, Any]) -> str:
