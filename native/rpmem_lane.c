@@ -664,3 +664,52 @@ long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint6
     }
     return (long)sent;
 }
+
+/* The reply a barrier waits for, taken off the connection without Python when it is the next
+ * frame: op, request id and length exactly as expected, no flags, nothing reserved. Frames
+ * come into the connection's staging buffer buf[*start, *end) of cap bytes, which Python's
+ * reader shares (it takes over whatever is left there). Anything else next on the stream (an
+ * earlier request's reply, an ERROR frame, a closed or failed socket) is left alone for
+ * Python, which owns every check and its wording: 2. 1: taken; 0: not all of it here yet. */
+long rpm_take_reply(struct rpm_sec *sec, int fd, uint8_t *buf, uint32_t cap, uint32_t *start,
+                    uint32_t *end, uint8_t op, uint32_t id, uint32_t length)
+{
+    uint32_t want = RPM_WIRE_HEADER_SIZE + length;
+    if (want > cap)
+        return 2;
+    for (;;) {
+        uint32_t have = *end - *start;
+        if (have >= RPM_WIRE_HEADER_SIZE) {
+            struct rpm_wire_hdr h;
+            memcpy(&h, buf + *start, RPM_WIRE_HEADER_SIZE);
+            if (h.op != op || h.id != id || h.length != length || h.flags || h.reserved)
+                return 2;
+            if (have >= want) {
+                *start += want;
+                if (*start == *end)
+                    *start = *end = 0;
+                return 1;
+            }
+        }
+        if (*start + want > cap) { /* make room for the whole frame */
+            memmove(buf, buf + *start, have);
+            *start = 0;
+            *end = have;
+        }
+        long got;
+        if (sec) {
+            got = rpm_sec_recv(sec, fd, (char *)buf + *end, cap - *end);
+        } else {
+            got = recv(fd, buf + *end, cap - *end, MSG_DONTWAIT);
+            if (got < 0)
+                got = -errno;
+        }
+        if (got == -EINTR)
+            continue;
+        if (got == -EAGAIN || got == -EWOULDBLOCK)
+            return 0;
+        if (got <= 0)
+            return 2; /* the end of the stream, or an error: Python's reader reports it */
+        *end += (uint32_t)got;
+    }
+}

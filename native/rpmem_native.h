@@ -188,4 +188,11 @@ long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint6
                       const uint64_t *pairs, uint32_t n, uint32_t key, uint64_t region_size,
                       uint32_t first_id, int apm, uint8_t *hdrs, uint8_t *flush_list, uint64_t *total);
 
+/* Initiator: take the reply (op, id, length) off the connection if it is the next frame, into
+ * and out of the staging buffer buf[*start, *end) of cap bytes (read through sec when the
+ * connection is protected). 1 taken, 0 not all here yet, 2 something else is next (or the
+ * socket failed): Python's reader takes over. */
+long rpm_take_reply(struct rpm_sec *sec, int fd, uint8_t *buf, uint32_t cap, uint32_t *start,
+                    uint32_t *end, uint8_t op, uint32_t id, uint32_t length);
+
 #endif

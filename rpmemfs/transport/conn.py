@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import trio
 
+from rpmemfs.native import ffi, lib
 from rpmemfs.printable import printable
 from rpmemfs.transport.auth import Ephemeral, derive, initiator_proof, same, target_proof
 from rpmemfs.transport.base import TransportError
@@ -97,6 +98,10 @@ class Connection:
         self._next_id = 0
         self._lost: str | None = None
         self._lost_code: int | None = None
+        # For rpm_take_reply: the staging buffer as C sees it (renewed if the reader swaps
+        # it), and its window in and out of the call.
+        self._native_buf: tuple[bytearray, Any] | None = None
+        self._window = ffi.new("uint32_t[2]")
 
     @property
     def lost(self) -> bool:
@@ -265,6 +270,55 @@ class Connection:
         if frame.op == Op.ERROR:
             raise TransportError(self.peer, _error_reason(payload, frame.imm), code=frame.imm)
         return frame, payload
+
+    def _take_native(self, id_: int, op: int, length: int) -> int:
+        """rpm_take_reply on this connection's staging buffer: 1 taken, 0 not here yet, 2 the
+        Python reader must take over (something else is next, or the socket failed)."""
+        buf, start, end = self.reader.window()
+        held = self._native_buf
+        if held is None or held[0] is not buf:
+            held = self._native_buf = (buf, ffi.from_buffer("uint8_t[]", buf))
+        window = self._window
+        window[0], window[1] = start, end
+        got = lib.rpm_take_reply(self.io.sec, self.io.fileno(), held[1], len(buf),
+                                 window, window + 1, op, id_, length)
+        self.reader.set_window(window[0], window[1])
+        return int(got)
+
+    def take_reply_nowait(self, id_: int, op: int, length: int) -> int:
+        """The reply to ``id_`` when it is an ``op`` of ``length`` bytes with nothing to hand
+        out (a barrier's flush), taken in C if it is next and here: 1 taken, 0 not here yet,
+        2 use :meth:`reply_nowait` (it is stashed, another task reads, or something else is
+        next). The common case of every barrier, without a Python object per reply."""
+        if self._lost is not None or id_ in self._stash or self._recv_lock.locked():
+            return 2
+        return self._take_native(id_, op, length)
+
+    async def take_reply(self, id_: int, op: int, length: int) -> bool:
+        """:meth:`take_reply_nowait`, waiting for it under the connection's deadline: True
+        once taken, False when :meth:`reply` must take over."""
+        self.check()
+        if id_ in self._stash:
+            return False
+        try:
+            with trio.fail_after(self.timeout):
+                try:
+                    self._recv_lock.acquire_nowait()
+                except trio.WouldBlock:
+                    await self._recv_lock.acquire()
+                try:
+                    while True:
+                        self.check()
+                        if id_ in self._stash:
+                            return False
+                        got = self._take_native(id_, op, length)
+                        if got:
+                            return got == 1
+                        await trio.lowlevel.wait_readable(self.io.sock)
+                finally:
+                    self._recv_lock.release()
+        except _INTERRUPTIONS as exc:
+            self._failed(exc, _REPLYING)
 
     async def call(self, bufs: list[Buffer], id_: int) -> tuple[int, Frame, bytes]:
         """Send frames and wait for the reply to request ``id_``, under one deadline.

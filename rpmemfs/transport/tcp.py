@@ -71,7 +71,13 @@ class TcpTicket:
     id: int
     rest: list[Buffer]
     locked: bool  # the connection's send lock is held until ``rest`` is sent
+    apm: bool  # its flush is a READ (answered by a READ_RESP of 8 bytes), else a SEND
     done: bool = False
+
+    @property
+    def reply(self) -> tuple[int, int]:
+        """The reply its flush gets: (op, length)."""
+        return (Op.READ_RESP, FLUSH_READ_SIZE) if self.apm else (Op.SEND_REPLY, 0)
 
 
 def _bytes_view(data: BytesLike) -> memoryview:
@@ -177,7 +183,7 @@ class TcpLane:
         self.stats.batches += 1
         rest, calls, locked = self._conn.send_nowait(bufs)
         self.stats.sendmsgs += calls
-        return TcpTicket(id_, rest, locked)
+        return TcpTicket(id_, rest, locked, method == "apm")
 
     def post_barrier_local(
         self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
@@ -245,13 +251,17 @@ class TcpLane:
         self.stats.sendmsgs += 1
         self.stats.writes += n
         self.stats.bytes += sum(k for _, k in ranges)
-        return TcpTicket(first + n, rest, locked)
+        return TcpTicket(first + n, rest, locked, apm)
 
     def poll(self, ticket: Ticket) -> bool:
         assert isinstance(ticket, TcpTicket)
         if ticket.done:
             return True
-        if ticket.rest or self._conn.reply_nowait(ticket.id) is None:
+        if ticket.rest:
+            return False
+        conn = self._conn
+        got = conn.take_reply_nowait(ticket.id, *ticket.reply)
+        if not got or (got == 2 and conn.reply_nowait(ticket.id) is None):
             return False
         ticket.done = True
         self.stats.flushes += 1
@@ -261,10 +271,12 @@ class TcpLane:
         assert isinstance(ticket, TcpTicket)
         if ticket.done:
             return
+        conn = self._conn
         if ticket.rest:
             rest, ticket.rest = ticket.rest, []
-            self.stats.sendmsgs += await self._conn.finish_send(rest, ticket.locked)
-        await self._conn.reply(ticket.id)
+            self.stats.sendmsgs += await conn.finish_send(rest, ticket.locked)
+        if not await conn.take_reply(ticket.id, *ticket.reply):
+            await conn.reply(ticket.id)
         ticket.done = True
         self.stats.flushes += 1
 

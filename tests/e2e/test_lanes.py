@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from rpmemfs.native import ffi
 from rpmemfs.tools.processes import TargetProcess
@@ -178,6 +179,45 @@ def test_pipelined_barriers_complete_in_order(env: Env, method: str) -> None:
 
     trio.run(main)
     assert pread(env.pool_file(method, pool), 0, POOL) == bytes(local.buf)
+
+
+@pytest.mark.parametrize("method", ["apm", "gpspm"])
+def test_barriers_waited_for_last_first_with_a_read_among_them(env: Env, method: str) -> None:
+    """A barrier's reply is taken in C only when it is the next frame on the lane. Waiting for
+    the last of several barriers first, with another task's read posted among them, takes
+    the earlier replies through the Python reader (kept for their waiters); every barrier
+    and the read complete, polled or waited for, in any order."""
+    rng = random.Random(11)
+    local = Local()
+    pool = name()
+
+    async def main() -> None:
+        async with await env.session(method) as s:
+            region = await s.create_pool(pool, POOL)
+            lane = s.lanes[0]
+            await lane.barrier(region, [(0, b"read me back")])
+            tickets = []
+            got: dict[str, bytes] = {}
+
+            async def read() -> None:
+                got["read"] = await lane.read(region, 0, 12)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    ranges = [r for r in scattered(rng, 4) if r[0] >= 64]
+                    for off, n in ranges:
+                        local.buf[off : off + n] = bytes([i + 1]) * n
+                    tickets.append(lane.post_barrier_local(region, local.pool, ranges))
+                    if i == 2:
+                        nursery.start_soon(read)
+                        await trio.testing.wait_all_tasks_blocked()
+                await lane.wait(tickets[-1])
+            assert got["read"] == b"read me back"
+            assert all(lane.poll(t) for t in tickets[:-1])
+            assert lane.stats.flushes == 7 and not lane.closed
+
+    trio.run(main)
+    assert pread(env.pool_file(method, pool), 64, POOL - 64) == bytes(local.buf[64:])
 
 
 def test_native_flush_barrier(env: Env) -> None:
