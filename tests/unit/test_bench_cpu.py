@@ -108,3 +108,13 @@ def test_seq_write_reports_cpu_per_megabyte_split_the_same_way(
     assert served["cpu_daemon_user_mb"] > served["cpu_daemon_kernel_mb"]
     assert served["cpu_targets_mb"] > 0
     assert served["cpu_other_mb"] >= 0
+
+
+def test_warm_pages_touches_all_the_memory_it_is_asked_for() -> None:
+    """seq_write warms what its rounds will allocate: every page touched, so the process's
+    peak resident size reaches its resident size before plus all of it (in KiB)."""
+    code = ("import re, resource; from rpmemfs.tools.bench.workloads import warm_pages; "
+            "now = int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1]); "
+            "warm_pages(64 << 20); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - now)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout) >= (64 << 20) // 1024 * 0.95

@@ -104,9 +104,25 @@ def append_fdatasync(directory: Path, scale: Scale, processes: Processes) -> Wor
     return latency_result(samples)
 
 
+def warm_pages(nbytes: int) -> None:
+    """Touch ``nbytes`` of fresh memory and free it again, so that what the next moments
+    allocate is memory the guest holds. On VMs with free page reporting (Firecracker's
+    page_reporting_order=11) memory that stayed free for a few seconds goes back to the host,
+    and its next first touch faults into the host: the pool pages a sequential write fills
+    then cost several times what they cost warm, in whichever round comes after a pause
+    (docs/benchmarks.md, "Method")."""
+    page = mmap.PAGESIZE
+    with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as m:
+        for off in range(0, nbytes, page):
+            m[off] = 1
+
+
 def seq_write(directory: Path, scale: Scale, processes: Processes) -> WorkloadResult:
     fd = os.open(directory / "seq.dat", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     buf = os.urandom(SEQ_CHUNK)
+    # Where the data lands (the pool, or the page cache) and each replica's copy: rounds
+    # then compare, whatever ran before them.
+    warm_pages(scale.seq_bytes * (1 + sum(role.startswith("target") for role in processes)))
     try:
         served_before, before = processes_times(processes), sample()
         t0 = perf_counter_ns()
