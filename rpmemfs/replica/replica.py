@@ -18,6 +18,7 @@ import trio
 from rpmemfs.latency import Histogram
 from rpmemfs.replica.spec import ReplicaSpec
 from rpmemfs.transport.base import (
+    BytesLike,
     Flush,
     Lane,
     LocalPool,
@@ -188,7 +189,7 @@ class Replica:
             return None
         return Posted(self, lane, ticket, len(ranges), nbytes, time.perf_counter_ns())
 
-    def post_copies(self, data: bytes | bytearray, ranges: Sequence[tuple[int, int]]) -> Posted | None:
+    def post_copies(self, data: BytesLike, ranges: Sequence[tuple[int, int]]) -> Posted | None:
         """:meth:`post` of bytes copied from the local pool at a durability point (asynchronous
         replication sends them after the mapping moved on): the ranges' bytes back to back
         in ``data``, each range to its own offset."""

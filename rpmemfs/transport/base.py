@@ -104,7 +104,7 @@ class LocalPool:
     base: Any
 
 
-def packed_offsets(data: bytes | bytearray, ranges: Sequence[tuple[int, int]]) -> list[int]:
+def packed_offsets(data: BytesLike, ranges: Sequence[tuple[int, int]]) -> list[int]:
     """Where each range's bytes start in ``data``, which holds them back to back; ValueError
     unless they fill it exactly."""
     starts = [0, *accumulate(length for _, length in ranges)]
@@ -113,7 +113,7 @@ def packed_offsets(data: bytes | bytearray, ranges: Sequence[tuple[int, int]]) -
     return starts[:-1]
 
 
-def unpack(data: bytes | bytearray, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+def unpack(data: BytesLike, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, memoryview]]:
     """Packed ranges (their bytes back to back in ``data``) as (offset, bytes) writes."""
     view = memoryview(data)
     return [(off, view[s : s + k]) for (off, k), s in zip(ranges, packed_offsets(data, ranges), strict=True)]
@@ -163,7 +163,7 @@ class Lane(Protocol):
         of the remote pool: what replication does, without a buffer object per range."""
 
     def post_barrier_packed(
-        self, region: RemoteRegion, data: bytes | bytearray, ranges: Sequence[tuple[int, int]],
+        self, region: RemoteRegion, data: BytesLike, ranges: Sequence[tuple[int, int]],
         method: Method | None = None,
     ) -> Ticket:
         """:meth:`post_barrier` of ``ranges`` (offset, length) of the remote pool whose bytes

@@ -193,7 +193,7 @@ class TcpLane:
         the frames are built and sent in C, with no Python object per range."""
         return self._post_native(region, local, ranges, None, method)
 
-    def post_barrier_packed(self, region: RemoteRegion, data: bytes | bytearray,
+    def post_barrier_packed(self, region: RemoteRegion, data: BytesLike,
                             ranges: Sequence[tuple[int, int]], method: Method | None = None) -> TcpTicket:
         packed, src = LocalPool(memoryview(data), ffi.from_buffer(data)), packed_offsets(data, ranges)
         return self._post_native(region, packed, ranges, src, method)

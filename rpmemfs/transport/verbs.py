@@ -477,7 +477,7 @@ class VerbsLane:
         return self._barrier(region, self._writes_local(region, mr, base, ranges), ranges, method)
 
     def post_barrier_packed(
-        self, region: RemoteRegion, data: bytes | bytearray, ranges: Sequence[tuple[int, int]],
+        self, region: RemoteRegion, data: BytesLike, ranges: Sequence[tuple[int, int]],
         method: Method | None = None,
     ) -> VerbsTicket:
         return self.post_barrier(region, unpack(data, ranges), method)

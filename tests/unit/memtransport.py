@@ -203,7 +203,7 @@ class MemLane:
                            method: Method | None = None) -> MemTicket:
         return self.post_barrier(region, [(o, local.buf[o: o + n]) for o, n in ranges], method)
 
-    def post_barrier_packed(self, region: RemoteRegion, data: bytes | bytearray,
+    def post_barrier_packed(self, region: RemoteRegion, data: BytesLike,
                             ranges: Sequence[tuple[int, int]], method: Method | None = None) -> MemTicket:
         return self.post_barrier(region, unpack(data, ranges), method)
 
