@@ -713,3 +713,13 @@ long rpm_take_reply(struct rpm_sec *sec, int fd, uint8_t *buf, uint32_t cap, uin
         *end += (uint32_t)got;
     }
 }
+
+long rpm_ranges_bad(const uint64_t *pairs, uint32_t n, uint64_t region_size)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t off = pairs[2 * i], len = pairs[2 * i + 1];
+        if (!len || len > RPM_WIRE_MAX_WRITE || off > region_size || len > region_size - off)
+            return (long)i;
+    }
+    return -1;
+}

@@ -188,6 +188,10 @@ long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint6
                       const uint64_t *pairs, uint32_t n, uint32_t key, uint64_t region_size,
                       uint32_t first_id, int apm, uint8_t *hdrs, uint8_t *flush_list, uint64_t *total);
 
+/* Initiator: the index of the first (offset, length) pair rpm_post_barrier would refuse
+ * (empty, longer than a WRITE, or outside region_size), or -1 when it takes them all. */
+long rpm_ranges_bad(const uint64_t *pairs, uint32_t n, uint64_t region_size);
+
 /* Initiator: take the reply (op, id, length) off the connection if it is the next frame, into
  * and out of the staging buffer buf[*start, *end) of cap bytes (read through sec when the
  * connection is protected). 1 taken, 0 not all here yet, 2 something else is next (or the

@@ -22,7 +22,7 @@ from rpmemfs.native import ffi
 from rpmemfs.pool.syncmap import SyncMap
 from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.replica import CANCELLED_IN_FLIGHT, IN_SYNC, Posted, Replica
-from rpmemfs.transport.base import DEFAULT_TIMEOUT, LocalPool
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, LocalPool, RangeList
 
 # Points wait for the one in flight and go out together (group commit, durability/barrier.py)
 # while the fastest of the last QUICK_OF barriers came back within QUICK_S: waiting then
@@ -96,10 +96,11 @@ class Barriers:
     def in_sync(self) -> list[Replica]:
         return [r for r in self.replicas if r.state is IN_SYNC]
 
-    def _checked(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The non-empty ranges, each checked to lie in the local pool."""
+    def _checked(self, ranges: list[tuple[int, int]]) -> RangeList:
+        """The non-empty ranges, each checked to lie in the local pool (as one list every
+        replica's lane reads, so that C code gets them once for all)."""
         size = len(self.local_buf)
-        out: list[tuple[int, int]] = []
+        out = RangeList()
         for off, length in ranges:
             if off < 0 or length < 0 or off + length > size:
                 raise ValueError(f"range ({off}, {length}) is outside the local pool of {size} bytes")
@@ -133,14 +134,16 @@ class Barriers:
         when the barrier completes could miss a replica that rejoined in between.
         ReplicaError (after marking) when fewer than ``min_replicas`` are in sync.
         """
-        self._mark([r for r in self.replicas if r.state is not IN_SYNC], ranges)
-        if len(self.in_sync) < self.min_replicas:
-            raise self._shortfall(len(self.in_sync), "too few replicas in sync")
+        in_sync = self.in_sync
+        if len(in_sync) < len(self.replicas):
+            self._mark([r for r in self.replicas if r.state is not IN_SYNC], ranges)
+            if len(in_sync) < self.min_replicas:
+                raise self._shortfall(len(in_sync), "too few replicas in sync")
         ranges = self._checked(ranges)
-        nbytes = sum(n for _, n in ranges)
+        nbytes = sum([n for _, n in ranges])
         posted: list[Posted] = []
         if ranges:
-            for replica in self.in_sync:
+            for replica in in_sync:
                 p = replica.post(self._local, ranges, nbytes)
                 if p is not None:
                     posted.append(p)

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
 from rpmemfs.errors import RpmemfsError
+from rpmemfs.native import ffi
 
 BytesLike = bytes | bytearray | memoryview
 # What a target declares (METHODS), plus "flush": a verbs-only barrier whose flush is a native
@@ -117,6 +118,28 @@ def unpack(data: BytesLike, ranges: Sequence[tuple[int, int]]) -> list[tuple[int
     """Packed ranges (their bytes back to back in ``data``) as (offset, bytes) writes."""
     view = memoryview(data)
     return [(off, view[s : s + k]) for (off, k), s in zip(ranges, packed_offsets(data, ranges), strict=True)]
+
+
+class RangeList(list[tuple[int, int]]):
+    """(offset, length) ranges one barrier sends to every replica: C code reads them as a
+    uint64_t array of pairs, built once for all lanes (:meth:`pairs`). Not to be changed
+    once a lane has asked for its pairs."""
+
+    __slots__ = ("_pairs",)
+
+    def pairs(self) -> Any:
+        try:
+            return self._pairs
+        except AttributeError:
+            self._pairs: Any = ffi.new("uint64_t[]", [x for r in self for x in r])
+            return self._pairs
+
+
+def pairs_of(ranges: Sequence[tuple[int, int]]) -> Any:
+    """The ranges as C reads them: shared when they are a RangeList, else made now."""
+    if isinstance(ranges, RangeList):
+        return ranges.pairs()
+    return ffi.new("uint64_t[]", [x for r in ranges for x in r])
 
 
 class Ticket(Protocol):

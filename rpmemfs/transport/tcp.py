@@ -37,6 +37,7 @@ from rpmemfs.transport.base import (
     check_range,
     nbytes,
     packed_offsets,
+    pairs_of,
 )
 from rpmemfs.transport.conn import Connection, open_connection
 from rpmemfs.transport.control_client import ControlClient, SessionControl
@@ -93,6 +94,8 @@ class TcpLane:
         self.peer = conn.peer
         self.stats = LaneStats()
         self._sent: deque[int] = deque()
+        self._scratch_ranges = 0  # ranges the lane's barrier buffers hold (see _scratch)
+        self._bufs: tuple[Any, Any, Any] = (ffi.NULL, ffi.NULL, ffi.new("uint64_t *"))
 
     @property
     def closed(self) -> bool:
@@ -202,7 +205,9 @@ class TcpLane:
         self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
         src: list[int] | None, method: Method | None,
     ) -> TcpTicket:
-        """Range i's bytes at local.buf[src[i]:], or without src at its own offset."""
+        """Range i's bytes at local.buf[src[i]:], or without src at its own offset. Every
+        replication barrier comes here: the ranges are checked and the frames built and sent
+        in C, from buffers kept per lane."""
         method = method or region.method
         n, size = len(ranges), region.size
 
@@ -210,19 +215,18 @@ class TcpLane:
             where = src if src is not None else [o for o, _ in ranges]
             return [(o, local.buf[s : s + k]) for (o, k), s in zip(ranges, where, strict=True)]
 
-        odd = any(off < 0 or not 0 < k <= MAX_WRITE or off + k > size for off, k in ranges)
-        if odd or not 0 < n <= MAX_FLUSH_RANGES or method not in ("apm", "gpspm"):
+        if not 0 < n <= MAX_FLUSH_RANGES or method not in ("apm", "gpspm"):
+            return self.post_barrier(region, writes(), method)
+        pairs = pairs_of(ranges)
+        if lib.rpm_ranges_bad(pairs, n, size) >= 0:
             return self.post_barrier(region, writes(), method)  # checks each, says what is wrong
         apm = method == "apm"
-        if apm and region.size < FLUSH_READ_SIZE:
+        if apm and size < FLUSH_READ_SIZE:
             raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")
         conn = self._conn
+        hdrs, flist, total = self._scratch(n)
         first = conn.new_ids(n + 1)
-        pairs = ffi.new("uint64_t[]", [x for r in ranges for x in r])
         srcs = ffi.new("uint64_t[]", src) if src is not None else ffi.NULL
-        hdrs = ffi.new("uint8_t[]", HEADER_SIZE * (n + 1))
-        flist = ffi.new("uint8_t[]", FLUSH_COUNT_SIZE + FLUSH_RANGE_SIZE * n)
-        total = ffi.new("uint64_t *")
 
         def send(fd: int) -> tuple[int, int]:
             got = lib.rpm_post_barrier(conn.io.sec if fd >= 0 else ffi.NULL, fd, local.base, srcs, pairs, n,
@@ -232,13 +236,14 @@ class TcpLane:
             return got, total[0]
 
         def rebuild() -> list[Buffer]:
+            # Copies of the headers and the flush list: the lane's buffers serve its next barrier.
             raw = ffi.buffer(hdrs)
             bufs: list[Buffer] = []
             for i, (_, view) in enumerate(writes()):
                 bufs += [raw[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], view]
-            bufs.append(raw[HEADER_SIZE * n :])
+            bufs.append(raw[HEADER_SIZE * n : HEADER_SIZE * (n + 1)])
             if not apm:
-                bufs.append(ffi.buffer(flist)[:])
+                bufs.append(ffi.buffer(flist)[: FLUSH_COUNT_SIZE + FLUSH_RANGE_SIZE * n])
             return bufs
 
         sent = conn.send_native(send, rebuild)
@@ -247,11 +252,22 @@ class TcpLane:
             rest, locked = rebuild(), False
         else:
             rest, locked = sent
-        self.stats.batches += 1
-        self.stats.sendmsgs += 1
-        self.stats.writes += n
-        self.stats.bytes += sum(k for _, k in ranges)
+        stats = self.stats
+        stats.batches += 1
+        stats.sendmsgs += 1
+        stats.writes += n
+        framing = HEADER_SIZE * (n + 1) + (0 if apm else FLUSH_COUNT_SIZE + FLUSH_RANGE_SIZE * n)
+        stats.bytes += total[0] - framing
         return TcpTicket(first + n, rest, locked, apm)
+
+    def _scratch(self, n: int) -> tuple[Any, Any, Any]:
+        """The lane's buffers for a barrier of ``n`` ranges: headers, flush list, total."""
+        if n > self._scratch_ranges:
+            self._scratch_ranges = max(n, 2 * self._scratch_ranges)
+            k = self._scratch_ranges
+            self._bufs = (ffi.new("uint8_t[]", HEADER_SIZE * (k + 1)),
+                          ffi.new("uint8_t[]", FLUSH_COUNT_SIZE + FLUSH_RANGE_SIZE * k), self._bufs[2])
+        return self._bufs
 
     def poll(self, ticket: Ticket) -> bool:
         assert isinstance(ticket, TcpTicket)

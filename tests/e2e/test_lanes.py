@@ -329,6 +329,27 @@ def test_bad_requests_fail_cleanly_and_the_lane_goes_on(env: Env) -> None:
     trio.run(main)
 
 
+def test_a_local_barrier_with_a_range_outside_the_pool_is_refused_before_anything_is_sent(env: Env) -> None:
+    """The ranges of a barrier from the local pool are checked in C before a byte goes out:
+    one outside the region is a TransportError that says which, an empty one is left out,
+    and the lane serves the next barrier."""
+    local = Local()
+    pool = name()
+
+    async def main() -> None:
+        async with await env.session("gpspm") as s:
+            region = await s.create_pool(pool, POOL // 2)  # smaller than the local pool
+            lane = s.lanes[0]
+            local.buf[0:5] = b"first"
+            with pytest.raises(TransportError, match="outside pool"):
+                lane.post_barrier_local(region, local.pool, [(0, 5), (POOL // 2 - 4, 8)])
+            await lane.wait(lane.post_barrier_local(region, local.pool, [(0, 5), (64, 0)]))
+            assert await lane.read(region, 0, 5) == b"first"
+            assert not lane.closed
+
+    trio.run(main)
+
+
 def test_control_requests(env: Env) -> None:
     """Refused control requests (a hostile pool name, a missing pool) are clean errors and
     the session goes on; a control message sent on a lane gets its answer there."""
