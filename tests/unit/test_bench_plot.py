@@ -33,3 +33,19 @@ def test_picture(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         plot.draw({}, out)
+
+
+def test_cpu_split_by_target_and_processes_only_where_every_part_is_known() -> None:
+    metrics = {f"cpu_{part}_{j}j": {"values": {"a": float(j + i), "b": None if part == "targets" else 1.0}}
+               for j in (4, 16) for i, (part, _) in enumerate(plot.PARTS)}
+    metrics["cpu_per_op_4j"] = {"values": {"a": 99.0}}
+    run = {"workloads": {"concurrent_fsync": {"metrics": metrics}}}
+    assert plot.cpu_split(run) == {
+        ("a", 4): {"daemon_user": 4.0, "daemon_kernel": 5.0, "targets": 6.0, "other": 7.0},
+        ("a", 16): {"daemon_user": 16.0, "daemon_kernel": 17.0, "targets": 18.0, "other": 19.0},
+    }  # b lacks its targets' part: left out rather than drawn short
+    if plot.available():
+        out = Path(__file__).parent / "never-written.png"
+        with pytest.raises(ValueError):
+            plot.draw_cpu({}, out)
+        assert not out.exists()
