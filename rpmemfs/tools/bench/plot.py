@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,23 @@ WORKLOAD = "concurrent_fsync"
 _JOBS = re.compile(r"iops_(\d+)j$")
 
 
-def series(run: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
-    """target -> [(processes, IOPS)], from the JSON of a bench run (report.as_json)."""
+def _values(run: dict[str, Any], pattern: re.Pattern[str]) -> Iterator[tuple[re.Match[str], str, float]]:
+    """(the name's match, target, value) of each known value of the run's WORKLOAD metrics
+    whose name matches ``pattern`` (the JSON of a bench run: report.as_json)."""
     metrics = run.get("workloads", {}).get(WORKLOAD, {}).get("metrics", {})
-    out: dict[str, list[tuple[int, float]]] = {}
     for name, metric in metrics.items():
-        m = _JOBS.match(name)
-        if not m:
-            continue
-        for target, value in metric.get("values", {}).items():
-            if value is not None:
-                out.setdefault(target, []).append((int(m.group(1)), float(value)))
+        m = pattern.match(name)
+        if m:
+            for target, value in metric.get("values", {}).items():
+                if value is not None:
+                    yield m, target, float(value)
+
+
+def series(run: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """target -> [(processes, IOPS)]."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for m, target, value in _values(run, _JOBS):
+        out.setdefault(target, []).append((int(m.group(1)), value))
     return {t: sorted(points) for t, points in out.items()}
 
 
@@ -47,15 +54,9 @@ _SPLIT = re.compile(r"cpu_(daemon_user|daemon_kernel|targets|other)_(\d+)j$")
 
 def cpu_split(run: dict[str, Any]) -> dict[tuple[str, int], dict[str, float]]:
     """(target, processes) -> {part: µs per operation}, for the points with every part."""
-    metrics = run.get("workloads", {}).get(WORKLOAD, {}).get("metrics", {})
     out: dict[tuple[str, int], dict[str, float]] = {}
-    for name, metric in metrics.items():
-        m = _SPLIT.match(name)
-        if not m:
-            continue
-        for target, value in metric.get("values", {}).items():
-            if value is not None:
-                out.setdefault((target, int(m.group(2))), {})[m.group(1)] = float(value)
+    for m, target, value in _values(run, _SPLIT):
+        out.setdefault((target, int(m.group(2))), {})[m.group(1)] = value
     return {k: v for k, v in sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0]))
             if len(v) == len(PARTS)}
 
