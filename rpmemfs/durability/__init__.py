@@ -4,14 +4,14 @@ A point (fsync, fdatasync, fsyncdir, a full pool waiting for freed blocks, unmou
 filesystem's changes, makes them durable locally (data, fence, then the log record that points
 at it) and, when the pool has replicas, posts them to every in-sync replica and waits for the
 acknowledgements the policy requires. Points are pipelined and end in log order; the ranges of
-a point that failed are sent again with the next one. `barrier.py` holds all of it;
+a point that failed are sent again with the next one. `point.py` holds all of it;
 `backlog.py` is asynchronous replication's queue and its senders (`-o replication=async`);
 `commit.py` runs points periodically for changes nobody fsynced (`-o commit=SECONDS`).
 """
 
 from rpmemfs.durability.backlog import DEFAULT_MAX_LAG, Backlog
-from rpmemfs.durability.barrier import Changes, ChangeSource, Durability, DurabilityError, Persister
 from rpmemfs.durability.commit import DEFAULT_COMMIT, Committer
+from rpmemfs.durability.point import Changes, ChangeSource, Durability, DurabilityError, Persister
 from rpmemfs.durability.stale_table import StaleTable
 from rpmemfs.durability.stats import Stats
 

@@ -215,6 +215,8 @@ class Backlog:
             tail.end, tail.wall = self.total, time.time()
             tail.joining.append(durable)
         else:
+            # A batch closed now may go out behind those in flight: their senders must see it.
+            closed = tail is not None and tail.joining is not None
             if tail is not None:
                 tail.close()
             if nbytes <= self.merge:
@@ -230,14 +232,15 @@ class Backlog:
             self.count += 1
             if nbytes > self.merge:
                 self.batches[-1].close()
+                closed = True
             for f in list(followers.values()):
                 if f.send is not None and f.next_post == f.next_ack == self.count - 1:
                     # Nothing in flight to it: post at once, saving a hop to its sender.
                     item = self._post_now(f)
                     if item is not None:
                         f.send.send_nowait(item)
-                else:
-                    f.wake.set()
+                elif closed:
+                    f.wake.set()  # (an open batch waits for its completer to wake it)
         if len(followers) > rs.min_replicas:
             self._pull_ahead()
         if not followers:
@@ -421,8 +424,8 @@ class Backlog:
                 f.next_ack = batch.n + 1
                 f.acked_bytes = batch.end
                 f.acked_wall = batch.wall
-            if f.next_ack == f.next_post:
-                f.wake.set()  # nothing in flight: the open batch may go now
+            if f.next_ack == f.next_post < self.count:
+                f.wake.set()  # nothing in flight, something queued: it may go now
             self._release()
 
     # ---------------------------------------------------------------- failures

@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from rpmemfs.durability.barrier import Durability, DurabilityError
+from rpmemfs.durability.point import Durability, DurabilityError
 
 log = logging.getLogger("rpmemfs.durability.commit")
 

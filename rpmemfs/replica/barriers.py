@@ -24,7 +24,7 @@ from rpmemfs.replica.errors import ReplicationError
 from rpmemfs.replica.replica import CANCELLED_IN_FLIGHT, IN_SYNC, Posted, Replica
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, LocalPool, RangeList
 
-# Points wait for the one in flight and go out together (group commit, durability/barrier.py)
+# Points wait for the one in flight and go out together (group commit, durability/point.py)
 # while the fastest of the last QUICK_OF barriers came back within QUICK_S: waiting then
 # costs a writer less than another barrier costs the daemon. Over a slow link (a distant
 # replica) each point posts at once behind those in flight instead, and its fsync takes one

@@ -187,6 +187,10 @@ def test_barriers_waited_for_last_first_with_a_read_among_them(env: Env, method:
     the last of several barriers first, with another task's read posted among them, takes
     the earlier replies through the Python reader (kept for their waiters); every barrier
     and the read complete, polled or waited for, in any order."""
+    if env.kind != "tcp":
+        # What it checks is the TCP lane's reply path; a verbs lane's completions are reaped
+        # by one task at a time (trio refuses a second waiter on its channel's fd).
+        pytest.skip("the reply path taken in C is the TCP lane's")
     rng = random.Random(11)
     local = Local()
     pool = name()

@@ -148,7 +148,7 @@ def test_out_of_range_raises(pool: Path, mode: str, bad: tuple[int, int]) -> Non
 
 @pytest.mark.parametrize("mode", PMEM_MODES)
 def test_persist_then_store_stores_the_record_then_the_stamp(pool: Path, mode: str) -> None:
-    """A durability point's commit (rpmemfs/durability/barrier.py): the data, then the log
+    """A durability point's commit (rpmemfs/durability/point.py): the data, then the log
     record, then the stamp that says the point ended; a range outside the pool stores none."""
     with PoolMapping.open(str(pool), mode) as pm:
         pm.buf[8192:8196] = b"data"

@@ -173,7 +173,7 @@ def test_slow_replies_within_the_timeout_are_waited_for() -> None:
 
 def test_barriers_are_quick_until_the_fastest_of_the_last_ones_took_over_2_ms() -> None:
     """quick() decides whether points wait for the one in flight (group commit) or post
-    behind it (durability/barrier.py): a slow link turns it off, a fast one back on."""
+    behind it (durability/point.py): a slow link turns it off, a fast one back on."""
 
     async def main() -> None:
         rig = Rig(2)
