@@ -571,10 +571,10 @@ long rpm_post_barrier(struct rpm_sec *sec, int fd, const char *base, const uint6
 {
     struct rpm_wire_hdr *h = (struct rpm_wire_hdr *)hdrs;
     uint64_t bytes = 0;
+    if (rpm_ranges_bad(pairs, n, region_size) >= 0)
+        return -EINVAL;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t off = pairs[2 * i], len = pairs[2 * i + 1];
-        if (!len || len > RPM_WIRE_MAX_WRITE || off > region_size || len > region_size - off)
-            return -EINVAL;
         h[i] = (struct rpm_wire_hdr){.op = RPM_WIRE_OP_WRITE, .key = key, .offset = off,
                                      .length = (uint32_t)len, .id = first_id + i};
         bytes += RPM_WIRE_HEADER_SIZE + len;

@@ -112,6 +112,14 @@ class Batch:
             durable()
 
 
+def _copy(src: memoryview, ranges: Ranges, dst: bytearray, at: int) -> int:
+    """The ranges' bytes, back to back into ``dst`` from ``at``; where they end."""
+    for off, length in ranges:
+        dst[at : at + length] = src[off : off + length]
+        at += length
+    return at
+
+
 PostedGroup = list[tuple[Posted, Batch]]  # barriers posted together, in order
 
 
@@ -206,11 +214,7 @@ class Backlog:
             # Every replica has a barrier in flight (or it would have been sent the tail):
             # this point goes out with the tail, after the points already in it, once a
             # completer finds its replica with nothing in flight and wakes its sender.
-            data, at = tail.data, tail.nbytes
-            for off, length in kept:
-                data[at : at + length] = buf[off : off + length]
-                at += length
-            tail.nbytes = at
+            tail.nbytes = _copy(buf, kept, tail.data, tail.nbytes)
             tail.ranges += kept
             tail.end, tail.wall = self.total, time.time()
             tail.joining.append(durable)
@@ -223,10 +227,7 @@ class Backlog:
                 data = self._spare.pop() if self._spare else bytearray(self.merge)
             else:
                 data = bytearray(nbytes)
-            at = 0
-            for off, length in kept:
-                data[at : at + length] = buf[off : off + length]
-                at += length
+            _copy(buf, kept, data, 0)
             self.batches.append(Batch(self.count, kept, data, nbytes, self.total, trio.current_time(),
                                       time.time(), [durable]))
             self.count += 1

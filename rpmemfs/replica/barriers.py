@@ -136,7 +136,7 @@ class Barriers:
         """
         in_sync = self.in_sync
         if len(in_sync) < len(self.replicas):
-            self._mark([r for r in self.replicas if r.state is not IN_SYNC], ranges)
+            self.mark_missing(ranges)
             if len(in_sync) < self.min_replicas:
                 raise self._shortfall(len(in_sync), "too few replicas in sync")
         ranges = self._checked(ranges)

@@ -131,15 +131,17 @@ class RangeList(list[tuple[int, int]]):
         try:
             return self._pairs
         except AttributeError:
-            self._pairs: Any = ffi.new("uint64_t[]", [x for r in self for x in r])
+            self._pairs: Any = _pairs(self)
             return self._pairs
+
+
+def _pairs(ranges: Sequence[tuple[int, int]]) -> Any:
+    return ffi.new("uint64_t[]", [x for r in ranges for x in r])
 
 
 def pairs_of(ranges: Sequence[tuple[int, int]]) -> Any:
     """The ranges as C reads them: shared when they are a RangeList, else made now."""
-    if isinstance(ranges, RangeList):
-        return ranges.pairs()
-    return ffi.new("uint64_t[]", [x for r in ranges for x in r])
+    return ranges.pairs() if isinstance(ranges, RangeList) else _pairs(ranges)
 
 
 class Ticket(Protocol):
