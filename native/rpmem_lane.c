@@ -8,10 +8,11 @@
  * written back), and serves general-purpose flushes. cffi drops the GIL around the call,
  * so the lanes of every session run beside each other and beside the Python daemon.
  *
- * It handles only well-formed data frames. Anything else (control SENDs, every frame a
- * check refuses, flush lists too large for the staging buffer) is left unconsumed in the
- * staging buffer and RPM_LANE_HANDOFF is returned: the Python loop owns every error
- * message and takes that frame from there, so the checks and their wording live once.
+ * It is the one place a lane's frames are checked. A frame that breaks a rule is refused:
+ * RPM_LANE_REFUSED, with the ERROR code it is answered with (rpm_wire.h's, generated from
+ * wire.py), the rule (RPM_REFUSED_*) and its figures, which Python puts in words and sends
+ * before it closes the lane. Only control SENDs are left to Python (RPM_LANE_HANDOFF),
+ * unconsumed in the staging buffer: they are JSON for the control service.
  *
  * Waiting: after a frame, the loop spins on recv() for spin_us before it sleeps in
  * poll(). On virtual machines whose idle vCPUs halt, waking a sleeping thread costs
@@ -436,50 +437,68 @@ static void do_atomic(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct r
     rpm_count(&r->counters->atomics, 1);
 }
 
-static const char *flush_range_at(const char *list, uint32_t i)
+/* Record why a frame is refused; the lane ends with it. */
+static int refuse(struct rpm_lane *l, const struct rpm_wire_hdr *h, uint32_t code, uint32_t rule,
+                  uint64_t a, uint64_t b, uint64_t c)
 {
-    return list + RPM_WIRE_FLUSH_COUNT_SIZE + (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * i;
+    l->code = code;
+    l->refused = rule;
+    l->args[0] = a;
+    l->args[1] = b;
+    l->args[2] = c;
+    memcpy(l->hdr, h, RPM_WIRE_HEADER_SIZE);
+    return RPM_LANE_REFUSED;
 }
 
-/* The flush list sits whole in the staging buffer after its header; 0 when it is valid. */
-static int flush_list_ok(const struct rpm_region *r, const char *p, uint32_t len, uint32_t *count)
-{
-    if (len < RPM_WIRE_FLUSH_COUNT_SIZE)
-        return 0;
-    uint32_t n;
-    memcpy(&n, p, RPM_WIRE_FLUSH_COUNT_SIZE);
-    if ((uint64_t)len != RPM_WIRE_FLUSH_COUNT_SIZE + (uint64_t)RPM_WIRE_FLUSH_RANGE_SIZE * n)
-        return 0;
-    for (uint32_t i = 0; i < n; i++) {
-        struct rpm_wire_flush_range range;
-        memcpy(&range, flush_range_at(p, i), sizeof range);
-        if (!in_bounds(r, range.offset, range.length))
-            return 0;
-    }
-    *count = n;
-    return 1;
-}
-
+/* Persist a flush's ranges, pairs of them at a time as they arrive (a list may be larger
+ * than the staging buffer): each piece is bounds-checked before any of it is persisted. A
+ * failed persist still reads the rest, so the stream stays intact and the lane goes on. */
 static int do_flush(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm_region *r,
                     uint64_t deadline)
 {
-    uint32_t count = 0;
-    const char *p = l->stage + l->start + RPM_WIRE_HEADER_SIZE;
-    if (!flush_list_ok(r, p, h->length, &count))
-        return RPM_LANE_HANDOFF;
-    l->start += RPM_WIRE_HEADER_SIZE + h->length;
-    /* The pairs may be unaligned in the staging buffer; copy them in bounded chunks. */
-    uint64_t pairs[2 * 64];
+    if (h->length < RPM_WIRE_FLUSH_COUNT_SIZE)
+        return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_FLUSH_LIST, 0, 1, 0);
+    int rc = fill(l, RPM_WIRE_FLUSH_COUNT_SIZE, deadline, 0);
+    if (rc)
+        return rc == RPM_LANE_CLOSED ? RPM_LANE_TRUNCATED : rc;
+    uint32_t count;
+    memcpy(&count, l->stage + l->start, RPM_WIRE_FLUSH_COUNT_SIZE);
+    if ((uint64_t)h->length != RPM_WIRE_FLUSH_COUNT_SIZE + (uint64_t)RPM_WIRE_FLUSH_RANGE_SIZE * count)
+        return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_FLUSH_LIST, count, 0, 0);
+    l->start += RPM_WIRE_FLUSH_COUNT_SIZE;
+    uint32_t piece = l->stage_size / RPM_WIRE_FLUSH_RANGE_SIZE;
+    uint64_t pairs[2 * 64]; /* the ranges may be unaligned in the staging buffer */
     int failed = 0;
-    uint64_t bytes = 0, started = now_ns();
-    for (uint32_t i = 0; i < count; i += 64) {
-        uint32_t k = count - i < 64 ? count - i : 64;
-        memcpy(pairs, flush_range_at(p, i), (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * k);
-        persist(r, pairs, k, &failed);
-        for (uint32_t j = 0; j < k; j++)
-            bytes += pairs[2 * j + 1];
+    uint64_t bytes = 0, took = 0;
+    for (uint32_t left = count; left;) {
+        uint32_t n = left < piece ? left : piece;
+        rc = fill(l, n * RPM_WIRE_FLUSH_RANGE_SIZE, deadline, 0);
+        if (rc)
+            return rc == RPM_LANE_CLOSED ? RPM_LANE_TRUNCATED : rc;
+        const char *list = l->stage + l->start;
+        for (uint32_t i = 0; i < n; i++) {
+            struct rpm_wire_flush_range range;
+            memcpy(&range, list + (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * i, sizeof range);
+            if (!in_bounds(r, range.offset, range.length))
+                return refuse(l, h, RPM_WIRE_CODE_OUT_OF_BOUNDS, RPM_REFUSED_FLUSH_RANGE, range.offset,
+                              range.length, r->size);
+        }
+        if (!failed) {
+            uint64_t started = now_ns();
+            for (uint32_t i = 0; i < n; i += 64) {
+                uint32_t k = n - i < 64 ? n - i : 64;
+                memcpy(pairs, list + (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * i, (size_t)RPM_WIRE_FLUSH_RANGE_SIZE * k);
+                persist(r, pairs, k, &failed);
+                for (uint32_t j = 0; j < k; j++)
+                    bytes += pairs[2 * j + 1];
+            }
+            took += now_ns() - started;
+            deadline = deadline_after(l->frame_ms); /* a slow disk is not a stalled peer */
+        }
+        l->start += n * RPM_WIRE_FLUSH_RANGE_SIZE;
+        left -= n;
     }
-    rpm_count_persist(r->counters, now_ns() - started, bytes);
+    rpm_count_persist(r->counters, took, bytes);
     if (failed) {
         l->err = failed;
         memcpy(l->hdr, h, RPM_WIRE_HEADER_SIZE);
@@ -489,54 +508,79 @@ static int do_flush(struct rpm_lane *l, const struct rpm_wire_hdr *h, struct rpm
     return reply(l, RPM_WIRE_OP_SEND_REPLY, h->id, NULL, 0, deadline);
 }
 
+/* The checks of a header that need no registration, in unpack_header's order and then
+ * the op's own (wire.py, target docs/wire.md): 0, or a refusal. */
+static int check_header(struct rpm_lane *l, const struct rpm_wire_hdr *h)
+{
+    int known = rpm_wire_op_flags(h->op);
+    if (known < 0)
+        return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_OP, h->op, 0, 0);
+    if (h->reserved)
+        return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_RESERVED, h->reserved, 0, 0);
+    if (h->flags & ~known)
+        return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_FLAGS, h->flags, 0, 0);
+    switch (h->op) {
+    case RPM_WIRE_OP_WRITE:
+        if (h->length > RPM_WIRE_MAX_WRITE)
+            return refuse(l, h, RPM_WIRE_CODE_TOO_LARGE, RPM_REFUSED_TOO_LARGE, RPM_WIRE_MAX_WRITE, 0, 0);
+        return 0;
+    case RPM_WIRE_OP_READ:
+        if (h->length > RPM_WIRE_MAX_READ)
+            return refuse(l, h, RPM_WIRE_CODE_TOO_LARGE, RPM_REFUSED_TOO_LARGE, RPM_WIRE_MAX_READ, 0, 0);
+        return 0;
+    case RPM_WIRE_OP_ATOMIC_WRITE:
+        if (h->length)
+            return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_ATOMIC_PAYLOAD, 0, 0, 0);
+        if (h->offset % RPM_WIRE_ATOMIC_SIZE)
+            return refuse(l, h, RPM_WIRE_CODE_MISALIGNED, RPM_REFUSED_MISALIGNED, 0, 0, 0);
+        return 0;
+    case RPM_WIRE_OP_SEND:
+        if (h->imm == RPM_WIRE_SEND_CONTROL)
+            return RPM_LANE_HANDOFF;
+        if (h->imm != RPM_WIRE_SEND_FLUSH)
+            return refuse(l, h, RPM_WIRE_CODE_BAD_FRAME, RPM_REFUSED_SEND_KIND, 0, 0, 0);
+        return 0;
+    default:
+        return refuse(l, h, RPM_WIRE_CODE_NOT_ALLOWED, RPM_REFUSED_NOT_INITIATORS, 0, 0, 0);
+    }
+}
+
 /* Serve one frame whose header is in the staging buffer. */
 static int serve_one(struct rpm_lane *l, uint64_t deadline)
 {
     struct rpm_wire_hdr h;
     memcpy(&h, l->stage + l->start, RPM_WIRE_HEADER_SIZE);
-    if (h.reserved)
-        return RPM_LANE_HANDOFF;
-    int rc = RPM_LANE_HANDOFF;
-    uint64_t span = h.op == RPM_WIRE_OP_ATOMIC_WRITE ? RPM_WIRE_ATOMIC_SIZE
-                    : h.op == RPM_WIRE_OP_SEND ? 0 : h.length;
+    int rc = check_header(l, &h);
+    if (rc)
+        return rc;
     struct rpm_region *r = hold(l, h.key);
     if (!r)
-        return RPM_LANE_HANDOFF;
-    if (!in_bounds(r, h.offset, span))
-        goto out;
-    switch (h.op) {
-    case RPM_WIRE_OP_WRITE:
-        if (h.flags || h.length > RPM_WIRE_MAX_WRITE || !r->writable)
-            break;
+        return refuse(l, &h, RPM_WIRE_CODE_BAD_KEY, RPM_REFUSED_KEY, 0, 0, 0);
+    uint64_t span = h.op == RPM_WIRE_OP_ATOMIC_WRITE ? RPM_WIRE_ATOMIC_SIZE
+                    : h.op == RPM_WIRE_OP_SEND ? 0 : h.length;
+    if (!in_bounds(r, h.offset, span)) {
+        rc = refuse(l, &h, RPM_WIRE_CODE_OUT_OF_BOUNDS, RPM_REFUSED_BOUNDS, span, r->size, 0);
+    } else if ((h.op == RPM_WIRE_OP_WRITE || h.op == RPM_WIRE_OP_ATOMIC_WRITE) && !r->writable) {
+        rc = refuse(l, &h, RPM_WIRE_CODE_NOT_ALLOWED, RPM_REFUSED_READ_ONLY, 0, 0, 0);
+    } else if (h.op == RPM_WIRE_OP_SEND && h.length > RPM_WIRE_MAX_SEND) {
+        rc = refuse(l, &h, RPM_WIRE_CODE_TOO_LARGE, RPM_REFUSED_TOO_LARGE, RPM_WIRE_MAX_SEND, 0, 0);
+    } else {
         l->start += RPM_WIRE_HEADER_SIZE;
-        rc = do_write(l, &h, r, deadline);
-        break;
-    case RPM_WIRE_OP_READ:
-        if ((h.flags & ~RPM_WIRE_F_FLUSH) || h.length > RPM_WIRE_MAX_READ)
+        switch (h.op) {
+        case RPM_WIRE_OP_WRITE:
+            rc = do_write(l, &h, r, deadline);
             break;
-        l->start += RPM_WIRE_HEADER_SIZE;
-        rc = do_read(l, &h, r, deadline);
-        break;
-    case RPM_WIRE_OP_ATOMIC_WRITE:
-        if (h.flags || h.length || h.offset % RPM_WIRE_ATOMIC_SIZE || !r->writable)
+        case RPM_WIRE_OP_READ:
+            rc = do_read(l, &h, r, deadline);
             break;
-        l->start += RPM_WIRE_HEADER_SIZE;
-        do_atomic(l, &h, r);
-        rc = 0;
-        break;
-    case RPM_WIRE_OP_SEND:
-        if (h.flags || h.imm != RPM_WIRE_SEND_FLUSH || h.length > l->stage_size - RPM_WIRE_HEADER_SIZE)
+        case RPM_WIRE_OP_ATOMIC_WRITE:
+            do_atomic(l, &h, r);
             break;
-        rc = fill(l, RPM_WIRE_HEADER_SIZE + h.length, deadline, 0);
-        if (rc == RPM_LANE_CLOSED)
-            rc = RPM_LANE_TRUNCATED;
-        if (!rc)
+        default:
             rc = do_flush(l, &h, r, deadline);
-        break;
-    default:
-        break;
+            break;
+        }
     }
-out:
     unhold(r);
     return rc;
 }

@@ -119,7 +119,7 @@ struct rpm_region {
     uint32_t live;
     int32_t inflight;
     int32_t pmem;
-    int32_t writable; /* 0: WRITE and ATOMIC_WRITE go to Python, which refuses them */
+    int32_t writable; /* 0: WRITE and ATOMIC_WRITE to it are refused */
     int32_t unused;
     char *base;
     uint64_t size;
@@ -144,8 +144,14 @@ struct rpm_lane {
     uint32_t stage_size;
     uint32_t start;
     uint32_t end;
-    uint8_t hdr[RPM_WIRE_HEADER_SIZE]; /* the frame a persist failed for */
+    uint8_t hdr[RPM_WIRE_HEADER_SIZE]; /* the frame a persist failed for, or refused */
     struct rpm_sec *sec; /* NULL on a link whose both ends run with wire protection none */
+    /* A refused frame (RPM_LANE_REFUSED): the ERROR code it is answered with
+     * (RPM_WIRE_CODE_*), which rule it broke (RPM_REFUSED_*) and that rule's figures, which
+     * Python puts in words (rpmemfs/target/refusals.py). */
+    uint32_t code;
+    uint32_t refused;
+    uint64_t args[3];
 };
 
 /* What rpm_lane_serve returns. */
@@ -157,6 +163,30 @@ struct rpm_lane {
 #define RPM_LANE_PERSIST_FAILED 6
 #define RPM_LANE_SOCKET 7
 #define RPM_LANE_STOPPED 8
+#define RPM_LANE_REFUSED 9
+
+/* The rules a frame can break on a lane, each with what args holds for it (if anything):
+ * OP unknown op (op); RESERVED reserved field not zero (its value); FLAGS unknown flags
+ * (flags); NOT_INITIATORS an op only a target sends; TOO_LARGE a length over the op's limit
+ * (limit); ATOMIC_PAYLOAD an ATOMIC_WRITE with a length; MISALIGNED an ATOMIC_WRITE off
+ * 8-byte alignment; SEND_KIND a SEND of neither kind; KEY no live registration has the key;
+ * BOUNDS outside the region (length, region size); READ_ONLY a write to a region opened
+ * without its claim; FLUSH_LIST a flush's length that is not its count of ranges (count), or
+ * too short to hold a count (0, 1); FLUSH_RANGE a listed range outside the region (offset,
+ * length, region size). */
+#define RPM_REFUSED_OP 1
+#define RPM_REFUSED_RESERVED 2
+#define RPM_REFUSED_FLAGS 3
+#define RPM_REFUSED_NOT_INITIATORS 4
+#define RPM_REFUSED_TOO_LARGE 5
+#define RPM_REFUSED_ATOMIC_PAYLOAD 6
+#define RPM_REFUSED_MISALIGNED 7
+#define RPM_REFUSED_SEND_KIND 8
+#define RPM_REFUSED_KEY 9
+#define RPM_REFUSED_BOUNDS 10
+#define RPM_REFUSED_READ_ONLY 11
+#define RPM_REFUSED_FLUSH_LIST 12
+#define RPM_REFUSED_FLUSH_RANGE 13
 
 /* Fill a free slot (live == 0, inflight == 0) and make it live; -1 if not free. */
 int rpm_region_publish(struct rpm_region *r, uint32_t key, char *base, uint64_t size,
@@ -172,7 +202,8 @@ void rpm_persist_bounds(const uint64_t *ns, uint32_t n);
 /* One persist (a flush's ranges written back) took ns and covered bytes. */
 void rpm_count_persist(struct rpm_counters *c, uint64_t ns, uint64_t bytes);
 
-/* Serve frames until something only Python handles: never returns 0. */
+/* Serve frames until one it leaves to Python (a control SEND: RPM_LANE_HANDOFF), one it
+ * refuses, a failed persist, the end of the stream or a deadline: never returns 0. */
 int rpm_lane_serve(struct rpm_lane *lane);
 
 /* Initiator: build one barrier's frames and send what the socket takes now. n WRITEs of

@@ -82,6 +82,22 @@ def _value(name: str, value: int) -> str:
     return f"0x{value:02x}" if hexed else str(value)
 
 
+def _op_flags(wire: ModuleType) -> list[str]:
+    """A C function giving each op the flags it may carry, and -1 for a byte that is no op:
+    the receive loop's first check of a header, as ``unpack_header`` makes it."""
+    lines = [
+        "/* The flags a frame of this op may carry; -1 when the wire has no such op. */",
+        "static inline int rpm_wire_op_flags(unsigned op)",
+        "{",
+        "    switch (op) {",
+    ]
+    for member in wire.Op:
+        flags = int(wire.KNOWN_FLAGS.get(member, 0))
+        lines.append(f"    case {PREFIX}OP_{member.name}: return 0x{flags:02x};")
+    lines += ["    default: return -1;", "    }", "}"]
+    return lines
+
+
 def render_header(wire: ModuleType) -> str:
     lines = [
         f"/* rpmemfs wire format, version {wire.VERSION}, for C: GENERATED from rpmemfs/transport/wire.py by",
@@ -108,6 +124,7 @@ def render_header(wire: ModuleType) -> str:
             "wire.py\");"
             for field, _, offset in members
         ]
+    lines += ["", *_op_flags(wire)]
     lines += ["", "#endif", ""]
     return "\n".join(lines)
 

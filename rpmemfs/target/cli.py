@@ -121,10 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"default {DEFAULT_SPIN_US}",
     )
     p.add_argument(
-        "--datapath", choices=("c", "python"), default="c",
-        help="who runs the lanes' receive loops: a C thread per lane (default) or the Python loop",
-    )
-    p.add_argument(
         "--wire-protection", choices=("aead", "none"), default="aead",
         help="aead (default): TCP traffic is encrypted and authenticated (docs/wire.md); none: "
         "plaintext, for a trusted link only, and only with initiators that ask for none too",
@@ -221,7 +217,7 @@ def configure(args: argparse.Namespace) -> tuple[TargetConfig, PoolStore]:
         host=host, port=port, pool_dir=pool_dir, tokens=book, method=method, pmem_mode=args.pmem,
         pmem_kind=kind, max_pool_size=max_pool, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
-        idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us, native=args.datapath == "c",
+        idle_timeout=args.idle_timeout or math.inf, spin_us=args.spin_us,
         rdma=args.rdma == "auto", max_handshakes=args.max_handshakes,
         max_handshakes_per_peer=args.max_handshakes_per_peer, metrics=metrics,
         max_connections_per_token=args.max_connections_per_token, admin_reserve=reserve,

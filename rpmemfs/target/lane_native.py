@@ -1,9 +1,10 @@
 """A lane's receive loop in a C thread (native/rpmem_lane.c), driven from trio.
 
-The C loop serves WRITE, READ, ATOMIC_WRITE and flush SENDs without the GIL and returns only
-for what Python handles: a frame it leaves to Python (control SENDs and every frame a check
-refuses), a failed persist, the end of the connection, or a deadline. It shares the Python
-reader's staging buffer, so bytes never have to be handed across.
+The C loop checks every frame and serves WRITE, READ, ATOMIC_WRITE and flush SENDs without
+the GIL. It returns only for what Python handles: a control SEND (left unconsumed), a frame
+it refused (``refused()`` says which rule and ``target/refusals.py`` says it in words), a
+failed persist, the end of the connection, or a deadline. It shares the Python reader's
+staging buffer, so bytes never have to be handed across.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 import trio
 
 from rpmemfs.native import ffi, lib
+from rpmemfs.target.refusals import Refused
 from rpmemfs.target.regions import MAX_REGIONS, RegionTable
 from rpmemfs.transport.sockio import SockIO
 from rpmemfs.transport.stream import FrameReader
-from rpmemfs.transport.wire import Frame, unpack_header
+from rpmemfs.transport.wire import Code, Frame, unpack_header
 
 
 def _ms(seconds: float) -> int:
@@ -61,6 +63,12 @@ class NativeLane:
     def frame(self) -> Frame:
         """The frame a persist failed for."""
         return unpack_header(bytes(ffi.buffer(self._c.hdr)))
+
+    def refused(self) -> tuple[Code, Refused]:
+        """The frame refused, and the ERROR code it is answered with."""
+        c = self._c
+        args = (int(c.args[0]), int(c.args[1]), int(c.args[2]))
+        return Code(c.code), Refused(int(c.refused), bytes(ffi.buffer(c.hdr)), args)
 
     async def serve(self) -> int:
         """Run the C loop until it returns; its status (lib.RPM_LANE_*)."""

@@ -30,7 +30,7 @@ from rpmemfs.target.admission import (
 )
 from rpmemfs.target.authz import AuthzError, TokenBook
 from rpmemfs.target.control import ControlService
-from rpmemfs.target.datapath import FrameLoop
+from rpmemfs.target.frame_loop import FrameLoop
 from rpmemfs.target.handshake import ClosedBeforeHello, HandshakeRefused, accept, refuse
 from rpmemfs.target.lane_native import NativeLane
 from rpmemfs.target.pools import PoolStore
@@ -61,7 +61,6 @@ class TargetConfig:
     frame_timeout: float
     idle_timeout: float
     spin_us: int = 0
-    native: bool = True  # lanes' receive loops in C threads
     rdma: bool = True  # serve verbs lanes too, where an RDMA device has the listen address
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES  # unauthenticated connections, in total...
     max_handshakes_per_peer: int = DEFAULT_MAX_HANDSHAKES_PER_PEER  # ...and per peer address
@@ -300,17 +299,15 @@ class Server:
                                    session: TargetSession, conn: Connection) -> None:
         cfg = self.config
         reader.resize(STAGING_SIZE)
-        apm = cfg.method == "apm"
         native = None
-        if role == Role.LANE and cfg.native:
+        if role == Role.LANE:
             native = NativeLane(
-                sock, reader, session.table, apm=apm, spin_us=cfg.spin_us,
+                sock, reader, session.table, apm=cfg.method == "apm", spin_us=cfg.spin_us,
                 idle_timeout=cfg.idle_timeout, frame_timeout=cfg.frame_timeout,
             )
         loop = FrameLoop(
-            sock, reader, peer, session, role, self.control,
-            apm=apm, idle_timeout=cfg.idle_timeout, frame_timeout=cfg.frame_timeout, native=native,
-            empty_timeout=cfg.empty_session_timeout,
+            sock, reader, peer, session, self.control, native, idle_timeout=cfg.idle_timeout,
+            frame_timeout=cfg.frame_timeout, empty_timeout=cfg.empty_session_timeout,
         )
         if role == Role.CONTROL:
             # Its lanes go with it, so a lane never needs pushing out on its own.

@@ -1,11 +1,12 @@
 """The target's lane receive loop in a C thread (native/rpmem_lane.c), against real daemons.
 
 Every target here is a real `python -m rpmemfs.target` process on loopback with its pools on
-/dev/shm. The same traffic runs against `--datapath c` and `--datapath python`: whatever the C
-loop serves itself (WRITE, READ, ATOMIC_WRITE, flush SENDs) and whatever it hands back to the
-Python loop (control SENDs, large flush lists, every violation) must look the same on the wire,
-in the pool file and in the target's counters. Raw connections use tests/e2e/test_target.py's
-RawConn to send what no well-behaved initiator would, or to send it a few bytes at a time.
+/dev/shm. The C loop is the one data path: it checks every frame, serves WRITE, READ,
+ATOMIC_WRITE and flush SENDs (flush lists larger than its staging buffer a piece at a time), and
+hands only control SENDs to the Python loop; what it refuses, Python puts in words. The pool
+file, the replies and the target's counters are compared with a model. Raw connections use
+tests/e2e/test_target.py's RawConn to send what no well-behaved initiator would, or to send it a
+few bytes at a time.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ pytestmark = pytest.mark.timeout(60)
 KiB, MiB = 1 << 10, 1 << 20
 POOL = 1 * MiB
 BIG_POOL = 16 * MiB
-DATAPATHS = ["c", "python"]
-# More ranges than the 64 KiB staging buffer holds: the C loop hands such a list to Python.
+# More ranges than the 64 KiB staging buffer holds: the C loop takes such a list in pieces.
 LARGE_FLUSH_RANGES = 5000
 TRUNCATED = "closing lane: truncated frame (closed mid-frame)"
 
@@ -154,15 +154,15 @@ def scratch() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def targets(scratch: Path) -> Iterator[Callable[..., Running]]:
-    """targets(datapath, method="gpspm", *extra): one shared daemon per configuration, each
+    """targets(method="gpspm", *extra): one shared daemon per configuration, each
     checked at the end of the module to stop with exit 0 and no traceback in its log."""
     started: dict[tuple[str, ...], Running] = {}
 
-    def get(datapath: str, method: str = "gpspm", *extra: str) -> Running:
-        key = (datapath, method, *extra)
+    def get(method: str = "gpspm", *extra: str) -> Running:
+        key = (method, *extra)
         if key not in started:
             kw: dict[str, Any] = {"persist": "apm", "pmem": "force"} if method == "apm" else {}
-            started[key] = Running(scratch, extra=["--datapath", datapath, *extra], **kw)
+            started[key] = Running(scratch, extra=[*extra], **kw)
         return started[key]
 
     yield get
@@ -179,13 +179,12 @@ async def session(t: Running, lanes: int = 1) -> TcpSession:
 
 
 @pytest.mark.parametrize("method", ["gpspm", "apm"])
-@pytest.mark.parametrize("datapath", DATAPATHS)
 def test_mixed_traffic_lands_byte_exact_and_is_counted_exactly(
-    targets: Callable[..., Running], datapath: str, method: str
+    targets: Callable[..., Running], method: str
 ) -> None:
-    t = targets(datapath, method)
+    t = targets(method)
     name = pool_name()
-    rng = random.Random(f"{datapath}/{method}")
+    rng = random.Random(method)
     model = bytearray(BIG_POOL)
     sent = {"writes": 0, "bytes": 0, "flushes": 0, "reads": 0, "atomics": 0}
 
@@ -258,7 +257,7 @@ def test_mixed_traffic_lands_byte_exact_and_is_counted_exactly(
             assert stats["open"] is True
 
     run(main)
-    assert_same(pread(t.pool_dir / name, 0, BIG_POOL), model, f"pool file ({datapath}, {method})")
+    assert_same(pread(t.pool_dir / name, 0, BIG_POOL), model, f"pool file ({method})")
 
 
 @pytest.mark.parametrize("method", ["gpspm", "apm"])
@@ -266,7 +265,7 @@ def test_packed_copies_land_where_their_ranges_say(targets: Callable[..., Runnin
     """post_barrier_packed (asynchronous replication's copies, sent from C): each range's bytes
     from its place in the packed buffer to its own offset; a buffer that does not match the
     ranges, or a range outside the pool, sends nothing."""
-    t = targets("c", method)
+    t = targets(method)
     name = pool_name()
     rng = random.Random(method)
 
@@ -295,11 +294,10 @@ def test_packed_copies_land_where_their_ranges_say(targets: Callable[..., Runnin
 # --------------------------------------------------------------------------- 2. handoff
 
 
-@pytest.mark.parametrize("datapath", DATAPATHS)
 def test_control_requests_on_a_lane_are_answered_in_order_between_data_frames(
-    targets: Callable[..., Running], datapath: str
+    targets: Callable[..., Running],
 ) -> None:
-    t = targets(datapath)
+    t = targets()
     name, name2 = pool_name(), pool_name()
     model = bytearray(POOL)
 
@@ -348,7 +346,7 @@ def test_control_requests_on_a_lane_are_answered_in_order_between_data_frames(
                 await barrier(s.lanes[1], second, [(0, b"stale key")])
             assert err.value.lane_lost
 
-            # A flush list too large for the C loop's staging buffer goes to Python.
+            # A flush list larger than the C loop's staging buffer is taken in pieces.
             ranges = [(i * 128, 16) for i in range(LARGE_FLUSH_RANGES)]
             await lane.flush_send(region, ranges)
             await barrier(lane, region, [(0, b"after the big flush")])
@@ -392,6 +390,16 @@ def _violations() -> list[Any]:
         ("flush count lies",
          lambda k, s: hdr(Op.SEND, k, 0, 20, id_=7777, imm=SendKind.FLUSH) + struct.pack("<IQQ", 5, 0, 1),
          Code.BAD_FRAME, True, "does not hold the 5 ranges"),
+        ("flush without its count",
+         lambda k, s: hdr(Op.SEND, k, 0, 2, id_=7777, imm=SendKind.FLUSH) + b"\0\0",
+         Code.BAD_FRAME, True, "shorter than its count"),
+        ("oversized flush", lambda k, s: hdr(Op.SEND, k, 0, (4 << 20) + 4, id_=7777, imm=SendKind.FLUSH),
+         Code.TOO_LARGE, True, "exceeds the limit of 4194304"),
+        ("oversized control request on a lane",
+         lambda k, s: hdr(Op.SEND, 0, 0, (64 << 10) + 1, id_=7777, imm=SendKind.CONTROL),
+         Code.TOO_LARGE, True, "exceeds the limit of 65536"),
+        ("atomic with a payload", lambda k, s: hdr(Op.ATOMIC_WRITE, k, 8, 8, id_=7777, imm=1) + b"12345678",
+         Code.BAD_FRAME, True, "has no payload"),
         ("misaligned atomic", lambda k, s: hdr(Op.ATOMIC_WRITE, k, 12, id_=7777, imm=1),
          Code.MISALIGNED, True, "not 8-byte aligned"),
         ("oversized read", lambda k, s: hdr(Op.READ, k, 0, MAX_READ + 1, id_=7777),
@@ -429,7 +437,7 @@ def test_a_violation_after_many_good_frames_closes_only_that_lane(
     targets: Callable[..., Running], case: str, bad: Callable[[int, int], bytes], code: int,
     parses: bool, reason: str,
 ) -> None:
-    t = targets("c")
+    t = targets()
     ctl, key, sid, name = raw_session(t.address)
     stale = int(ctl.control({"op": "open", "name": name})["key"])
     assert ctl.control({"op": "close", "key": stale})["ok"]
@@ -485,7 +493,7 @@ def _pool_open(ctl: RawConn, name: str) -> bool:
 def test_closing_a_pool_while_a_lane_is_inside_a_large_write(
     targets: Callable[..., Running], finish: str
 ) -> None:
-    t = targets("c")
+    t = targets()
     size, total, first = 16 * MiB, 8 * MiB, 1 * MiB
     payload = random.Random(finish).randbytes(total)
     ctl, key, sid, name = raw_session(t.address, size)
@@ -535,7 +543,7 @@ def test_closing_a_pool_while_a_lane_is_inside_a_large_write(
 
 
 def test_closing_a_pool_under_a_stream_of_large_writes(targets: Callable[..., Running]) -> None:
-    t = targets("c")
+    t = targets()
     name = pool_name()
     chunk = os.urandom(4 * MiB)
 
@@ -739,14 +747,13 @@ def _dribble(raw: RawConn, data: bytes, rng: random.Random, small: bool) -> None
         time.sleep(0.0005 if small else 0.0002)
 
 
-@pytest.mark.parametrize("datapath", DATAPATHS)
 def test_frames_split_into_tiny_sends_are_placed_and_truncation_is_logged(
-    targets: Callable[..., Running], datapath: str
+    targets: Callable[..., Running],
 ) -> None:
     # At debug level every line is logged: repeats are not held back (rpmemfs/logs.py), so each
     # truncated connection has its line to count.
-    t = targets(datapath, "gpspm", "--log-level", "debug")
-    rng = random.Random(datapath)
+    t = targets("gpspm", "--log-level", "debug")
+    rng = random.Random("tiny sends")
     ctl, key, sid, name = raw_session(t.address)
     by_ctl, by_key, by_sid, _ = raw_session(t.address)
     bystander = raw_lane(t.address, by_sid)
@@ -815,14 +822,13 @@ def test_frames_split_into_tiny_sends_are_placed_and_truncation_is_logged(
 
 # --------------------------------------------------------------------------- deadlines
 #
-# Both once failed on the C loop only: a header begun while idle was waited for under the idle
-# deadline, and a deadline armed by the Python loop for a handed-off frame outlived it.
+# Both once failed: a header begun while idle was waited for under the idle deadline, and a
+# deadline armed by the Python loop for a handed-off frame outlived it.
 
-@pytest.mark.parametrize("datapath", ["c", "python"])
 def test_a_header_begun_while_idle_is_cut_at_the_frame_deadline(
-    targets: Callable[..., Running], datapath: str
+    targets: Callable[..., Running],
 ) -> None:
-    t = targets(datapath, "gpspm", "--frame-timeout", "1")
+    t = targets("gpspm", "--frame-timeout", "1")
     ctl, key, sid, _ = raw_session(t.address)
     lane = raw_lane(t.address, sid)
     try:
@@ -840,11 +846,10 @@ def test_a_header_begun_while_idle_is_cut_at_the_frame_deadline(
 
 
 @pytest.mark.parametrize("trigger", ["large flush list", "non-JSON control request"])
-@pytest.mark.parametrize("datapath", ["c", "python"])
-def test_a_busy_lane_outlives_the_frame_deadline_after_a_frame_python_served(
-    targets: Callable[..., Running], datapath: str, trigger: str
+def test_a_busy_lane_outlives_the_frame_deadline_after_a_frame_sent_in_parts(
+    targets: Callable[..., Running], trigger: str
 ) -> None:
-    t = targets(datapath, "gpspm", "--frame-timeout", "1")
+    t = targets("gpspm", "--frame-timeout", "1")
     ctl, key, sid, _ = raw_session(t.address)
     lane = raw_lane(t.address, sid)
     try:
@@ -854,8 +859,8 @@ def test_a_busy_lane_outlives_the_frame_deadline_after_a_frame_python_served(
         else:
             body = b"this is not JSON" * 8
             kind, frame_key = SendKind.CONTROL, 0
-        # The frame arrives in two parts, so the Python loop waits for its payload (well
-        # within the deadline), then answers it.
+        # The frame arrives in two parts, so its loop (C for the flush list, Python for the
+        # control request) waits for its payload, well within the deadline, then answers it.
         lane.send(hdr(Op.SEND, frame_key, 0, len(body), id_=1, imm=kind) + body[:5])
         time.sleep(0.3)
         lane.send(body[5:])
