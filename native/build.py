@@ -5,18 +5,24 @@ so ``pip install .`` and ``pip install -e .`` both compile it. It first writes t
 generated from the formats' one Python source each: native/rpmem_wire.h from
 rpmemfs/transport/wire.py (native/wire_header.py), the wire format that rpmem_lane.c is
 compiled against, and native/rpmem_record.h from rpmemfs/fs/record_format.py
-(native/record_header.py), the log record header rpmem_native.c's log scan reads.
+(native/record_header.py), the log record header rpmem_native.c's log scan reads. Both work
+over native/headergen.py.
 """
 
-import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
-from types import ModuleType
 
 from cffi import FFI
 
 _HERE = Path(__file__).resolve().parent
+# setuptools execs this file without putting its folder on sys.path; the generators live here.
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+import record_header  # noqa: E402
+import wire_header  # noqa: E402
 
 
 def _rel(path: Path) -> str:
@@ -25,19 +31,8 @@ def _rel(path: Path) -> str:
     return os.path.relpath(path)
 
 
-def _load_generator(name: str) -> ModuleType:
-    # setuptools execs this file without putting its folder on sys.path.
-    spec = importlib.util.spec_from_file_location(f"_rpmemfs_{name}", _HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_wire_header = _load_generator("wire_header")
-_wire_header.write()
-_record_header = _load_generator("record_header")
-_record_header.write()
+wire_header.write()
+record_header.write()
 
 
 def _cdef() -> str:
@@ -46,8 +41,8 @@ def _cdef() -> str:
     # constants and structs come first: the API uses them.
     text = (_HERE / "rpmem_native.h").read_text()
     keep = [ln for ln in text.splitlines() if not ln.startswith("#") or re.fullmatch(r"#define \w+ \d+", ln)]
-    return (_wire_header.render_cdef(_wire_header.load_wire())
-            + _record_header.render_cdef(_record_header.load_format()) + "\n".join(keep))
+    return (wire_header.render_cdef(wire_header.load_wire())
+            + record_header.render_cdef(record_header.load_format()) + "\n".join(keep))
 
 
 ffibuilder = FFI()
@@ -63,7 +58,7 @@ ffibuilder.set_source(
     # requires, packs an extension's depends) and editing them triggers a rebuild.
     depends=[
         _rel(_HERE / name) for name in ("rpmem_native.h", "rpmem_wire.h", "rpmem_record.h", "build.py",
-                                        "wire_header.py", "record_header.py")
-    ] + [_rel(_wire_header.WIRE), _rel(_record_header.SOURCE)],
+                                        "wire_header.py", "record_header.py", "headergen.py")
+    ] + [_rel(wire_header.WIRE), _rel(record_header.SOURCE)],
     extra_compile_args=["-O2"],
 )

@@ -7,18 +7,24 @@ generated beforehand; the file is not committed), and gives cffi :func:`render_c
 which the compiled helper reports the values and layouts it was built with:
 tests/unit/test_wire_header.py compares those with wire.py.
 
-Runs before the package can be imported (at build time, in pip's isolated environment), so it
-loads wire.py on its own file and imports the standard library only.
+What it shares with native/record_header.py is native/headergen.py's.
 ``python native/wire_header.py`` writes the header by hand.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import struct
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from headergen import (
+    Members,
+    cdef_struct,
+    load_source,
+    preamble,
+    render_struct,
+    struct_layout,
+    write_if_changed,
+)
 
 HERE = Path(__file__).resolve().parent
 WIRE = HERE.parent / "rpmemfs" / "transport" / "wire.py"
@@ -35,21 +41,12 @@ CONSTANTS = (
 )
 ENUMS = (("Op", "OP_"), ("SendKind", "SEND_"), ("Code", "CODE_"), ("Cipher", "CIPHER_"))
 STRUCTS = (("rpm_wire_hdr", "HEADER_FIELDS"), ("rpm_wire_flush_range", "FLUSH_RANGE_FIELDS"))
-C_TYPES = {"B": "uint8_t", "H": "uint16_t", "I": "uint32_t", "Q": "uint64_t"}
+SOURCE_NAME = "rpmemfs/transport/wire.py"
 
 
 def load_wire(path: Path = WIRE) -> ModuleType:
     """wire.py as a module of its own, without importing the rpmemfs package."""
-    name = "_rpmemfs_wire_for_c"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their class's module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[name]
-    return module
+    return load_source(path, "_rpmemfs_wire_for_c")
 
 
 def constants(wire: ModuleType) -> dict[str, int]:
@@ -61,19 +58,10 @@ def constants(wire: ModuleType) -> dict[str, int]:
     return out
 
 
-def layouts(wire: ModuleType) -> dict[str, tuple[int, list[tuple[str, str, int]]]]:
+def layouts(wire: ModuleType) -> dict[str, tuple[int, Members]]:
     """struct name -> (size, [(field, C type, offset)]), as wire.py's little-endian, unpadded
     struct formats lay them out."""
-    out = {}
-    for cname, attr in STRUCTS:
-        fields = getattr(wire, attr)
-        codes = ""
-        members = []
-        for field, code in fields:
-            members.append((field, C_TYPES[code], struct.calcsize("<" + codes)))
-            codes += code
-        out[cname] = (struct.calcsize("<" + codes), members)
-    return out
+    return {cname: struct_layout(getattr(wire, attr)) for cname, attr in STRUCTS}
 
 
 def _value(name: str, value: int) -> str:
@@ -99,54 +87,27 @@ def _op_flags(wire: ModuleType) -> list[str]:
 
 
 def render_header(wire: ModuleType) -> str:
-    lines = [
-        f"/* rpmemfs wire format, version {wire.VERSION}, for C: GENERATED from rpmemfs/transport/wire.py by",
-        " * native/wire_header.py at every build of the native helper. Do not edit: change wire.py.",
-        " * Integers are little endian on the wire and in these structs (the host must be too). */",
-        "#ifndef RPMEM_WIRE_H",
-        "#define RPMEM_WIRE_H",
-        "",
-        "#include <stddef.h>",
-        "#include <stdint.h>",
-        "",
-        "_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, \"the wire is little endian, and so "
-        "must the host be\");",
-        "",
-    ]
+    lines = preamble(f"rpmemfs wire format, version {wire.VERSION}", SOURCE_NAME, "native/wire_header.py",
+                     "RPMEM_WIRE_H", "on the wire and in these structs")
     lines += [f"#define {name} {_value(name, value)}" for name, value in constants(wire).items()]
     for cname, (size, members) in layouts(wire).items():
-        lines += ["", f"struct {cname} {{"]
-        lines += [f"    {ctype} {field};" for field, ctype, _ in members]
-        lines += ["} __attribute__((packed));"]
-        lines += [f"_Static_assert(sizeof(struct {cname}) == {size}, \"{cname}: size as in wire.py\");"]
-        lines += [
-            f"_Static_assert(offsetof(struct {cname}, {field}) == {offset}, \"{cname}.{field}: offset as in "
-            "wire.py\");"
-            for field, _, offset in members
-        ]
+        lines += ["", *render_struct(cname, size, members, SOURCE_NAME)]
     lines += ["", *_op_flags(wire)]
     lines += ["", "#endif", ""]
     return "\n".join(lines)
 
 
 def render_cdef(wire: ModuleType) -> str:
-    """The same, for cffi's cdef: the structs' layouts come from the compiler (``...;``), so
-    the built module reports what the C code was compiled with."""
+    """The constants and structs for cffi's cdef (headergen.cdef_struct says why no layout)."""
     lines = [f"#define {name} {value}" for name, value in constants(wire).items()]
     for cname, (_, members) in layouts(wire).items():
-        lines += [f"struct {cname} {{", *(f"    {ctype} {field};" for field, ctype, _ in members)]
-        lines += ["    ...;", "};"]
+        lines += cdef_struct(cname, members)
     return "\n".join(lines) + "\n"
 
 
 def write(path: Path = HEADER, wire_path: Path = WIRE) -> bool:
-    """Write the header (only when it changed, so that an unchanged one triggers no rebuild);
-    whether it was written."""
-    text = render_header(load_wire(wire_path))
-    if path.exists() and path.read_text() == text:
-        return False
-    path.write_text(text)
-    return True
+    """Write the header when it changed; whether it was written."""
+    return write_if_changed(path, render_header(load_wire(wire_path)))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ build loads it, and the built helper's constants and struct layouts against the 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,12 +17,10 @@ NATIVE = Path(__file__).resolve().parents[2] / "native"
 
 
 def load_generator(name: str) -> ModuleType:
-    """native/NAME.py on its own file, as native/build.py loads it (not an importable module)."""
-    spec = importlib.util.spec_from_file_location(f"_{name}_under_test", NATIVE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """native/NAME.py, imported as native/build.py imports it: with native/ on sys.path."""
+    if str(NATIVE) not in sys.path:
+        sys.path.insert(0, str(NATIVE))
+    return importlib.import_module(name)
 
 
 def assert_built_constants(expected: dict[str, int], rebuild: str) -> None:
