@@ -7,7 +7,7 @@ import trio
 from rpmemfs.pool.layout import AREAS_OFF, BLOCK, Header
 from rpmemfs.ranges import Ranges, merge_ranges
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError
+from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, Transport, TransportError, barrier
 from rpmemfs.transport.choose import transport_for
 from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
@@ -83,7 +83,7 @@ async def create_remote(
                     writes = [(off, local_buf[off : off + n]) for off, n in part if n]
                     try:
                         with trio.fail_after(timeout):
-                            await lane.barrier(region, writes)
+                            await barrier(lane, region, writes)
                     finally:
                         # So that no traceback keeps the caller's mapping exported.
                         for _, view in writes:

@@ -22,7 +22,9 @@ from rpmemfs.transport.base import (
     Flush,
     Lane,
     LocalPool,
+    LocalRanges,
     Method,
+    PackedRanges,
     RemoteRegion,
     Session,
     Ticket,
@@ -183,7 +185,7 @@ class Replica:
             return None
         lane = self.barrier_lane
         try:
-            ticket = lane.post_barrier_local(self.region, local, ranges, self.method)
+            ticket = lane.post(self.region, LocalRanges(local, ranges), self.method)
         except TransportError as exc:
             self.fail(str(exc))
             return None
@@ -197,7 +199,7 @@ class Replica:
             return None
         lane = self.barrier_lane
         try:
-            ticket = lane.post_barrier_packed(self.region, data, ranges, self.method)
+            ticket = lane.post(self.region, PackedRanges(data, ranges), self.method)
         except TransportError as exc:
             self.fail(str(exc))
             return None

@@ -20,7 +20,7 @@ from rpmemfs.pool.layout import BLOCK
 from rpmemfs.replica.barriers import Barriers
 from rpmemfs.replica.replica import IN_SYNC, RESYNCING, Replica
 from rpmemfs.replica.verify import chunks_touched, content_size, count_chunks, differing_chunks, pool_chunk
-from rpmemfs.transport.base import TransportError
+from rpmemfs.transport.base import TransportError, barrier
 from rpmemfs.units import count, human
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ async def copy(rs: Barriers, replica: Replica, runs: list[tuple[int, int]], phas
     async def send() -> None:
         writes = [(off, rs.local_buf[off : off + n]) for off, n in batch]
         try:
-            await lane.barrier(replica.region, writes)  # type: ignore[arg-type]
+            await barrier(lane, replica.region, writes)  # type: ignore[arg-type]
         finally:
             for _, view in writes:
                 view.release()

@@ -144,12 +144,38 @@ def pairs_of(ranges: Sequence[tuple[int, int]]) -> Any:
     return ranges.pairs() if isinstance(ranges, RangeList) else _pairs(ranges)
 
 
+@dataclass(frozen=True, slots=True)
+class LocalRanges:
+    """Writes of ``ranges`` of the local pool, each to the same offset of the remote pool: what
+    replication posts, without a buffer object per range (TCP builds the frames in C)."""
+
+    pool: LocalPool
+    ranges: Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class PackedRanges:
+    """Writes of ``ranges`` (offset, length) of the remote pool whose bytes lie back to back in
+    ``data``: copies taken earlier (asynchronous replication)."""
+
+    data: BytesLike
+    ranges: Sequence[tuple[int, int]]
+
+
+# What one barrier writes: (offset, bytes) pairs, ranges of the local pool, or packed copies.
+Writes = Sequence[tuple[int, BytesLike]] | LocalRanges | PackedRanges
+
+
 class Ticket(Protocol):
     """A barrier posted without waiting; only the lane that posted it can poll or wait for it
     (its ``poll`` and ``wait``)."""
 
 
 class Lane(Protocol):
+    """One ordered stream to a target: a barrier is one post and one wait (or polls), like
+    ibv_post_send and the one completion a caller then reaps; reads, atomic writes and control
+    messages beside them."""
+
     @property
     def peer(self) -> str: ...
 
@@ -159,40 +185,10 @@ class Lane(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    async def post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
-        """Post one-sided writes, all in one vectored send; nothing is awaited from the target."""
-
-    async def flush_read(self, region: RemoteRegion) -> None:
-        """Appliance flush: an 8-byte read answered after every earlier write on this lane is placed."""
-
-    async def flush_send(self, region: RemoteRegion, ranges: Sequence[tuple[int, int]]) -> None:
-        """General-purpose flush: one send with all (offset, length) ranges; returns once persisted."""
-
-    async def barrier(
-        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
-    ) -> None:
-        """The writes and exactly one flush (``method``, else the region's), then wait for it."""
-
-    def post_barrier(
-        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
-    ) -> Ticket:
-        """Post the writes and the one flush without waiting (what remains to send, if the
-        socket buffer was full, goes out in :meth:`wait`). Like ibv_post_send: the caller
-        then polls or waits for the one completion."""
-
-    def post_barrier_local(
-        self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
-        method: Method | None = None,
-    ) -> Ticket:
-        """:meth:`post_barrier` of ``ranges`` of the local pool, each placed at the same offset
-        of the remote pool: what replication does, without a buffer object per range."""
-
-    def post_barrier_packed(
-        self, region: RemoteRegion, data: BytesLike, ranges: Sequence[tuple[int, int]],
-        method: Method | None = None,
-    ) -> Ticket:
-        """:meth:`post_barrier` of ``ranges`` (offset, length) of the remote pool whose bytes
-        lie back to back in ``data``: copies taken earlier (asynchronous replication)."""
+    def post(self, region: RemoteRegion, writes: Writes, method: Method | None = None) -> Ticket:
+        """Post the writes and exactly one flush (``method``, else the region's) without
+        waiting (what remains to send, if the socket buffer was full, goes out in
+        :meth:`wait`). The caller then polls or waits for the one completion."""
 
     def poll(self, ticket: Ticket) -> bool:
         """True once the barrier completed; never waits. TransportError if it failed."""
@@ -277,11 +273,9 @@ class Transport(Protocol):
     ) -> Session: ...
 
 
-async def barrier(
-    lane: Lane, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
-) -> None:
+async def barrier(lane: Lane, region: RemoteRegion, writes: Writes, method: Method | None = None) -> None:
     """Make ``writes`` durable on the target: one batch of writes and exactly one flush."""
-    await lane.barrier(region, writes, method)
+    await lane.wait(lane.post(region, writes, method))
 
 
 def nbytes(data: BytesLike) -> int:

@@ -28,12 +28,15 @@ from rpmemfs.transport.base import (
     Lane,
     LaneStats,
     LocalPool,
+    LocalRanges,
     Method,
+    PackedRanges,
     RemoteRegion,
     Session,
     Ticket,
     Transport,
     TransportError,
+    Writes,
     check_range,
     nbytes,
     packed_offsets,
@@ -150,28 +153,42 @@ class TcpLane:
         self.stats.sendmsgs += calls
         return frame, payload
 
+    # Frame-level operations outside the Lane interface: tests use them to send what a
+    # barrier never would (writes with no flush behind them, a flush by itself).
+
     async def post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
+        """WRITE frames, all in one vectored send; nothing is awaited from the target."""
         bufs: list[Buffer] = []
         self._write_frames(region, writes, bufs)
         if bufs:
             await self._post(bufs)
 
     async def flush_read(self, region: RemoteRegion) -> None:
+        """The appliance flush alone: an 8-byte READ answered after every earlier write."""
         bufs: list[Buffer] = []
         await self._call(bufs, self._flush_read_frame(region, bufs))
         self.stats.flushes += 1
 
     async def flush_send(self, region: RemoteRegion, ranges: Sequence[tuple[int, int]]) -> None:
+        """The general-purpose flush alone: one SEND listing the ranges; returns once persisted."""
         bufs: list[Buffer] = []
         await self._call(bufs, self._flush_send_frame(region, ranges, bufs))
         self.stats.flushes += 1
 
-    async def barrier(
-        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
-    ) -> None:
-        await self.wait(self.post_barrier(region, writes, method))
+    # --- the Lane interface -----------------------------------------------------------------
 
-    def post_barrier(
+    def post(self, region: RemoteRegion, writes: Writes, method: Method | None = None) -> TcpTicket:
+        if isinstance(writes, LocalRanges):
+            # Ranges of the local pool, each to the same remote offset: the frames are built
+            # and sent in C, with no Python object per range.
+            return self._post_native(region, writes.pool, writes.ranges, None, method)
+        if isinstance(writes, PackedRanges):
+            data, ranges = writes.data, writes.ranges
+            packed, src = LocalPool(memoryview(data), ffi.from_buffer(data)), packed_offsets(data, ranges)
+            return self._post_native(region, packed, ranges, src, method)
+        return self._post_frames(region, writes, method)
+
+    def _post_frames(
         self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
     ) -> TcpTicket:
         method = method or region.method
@@ -188,19 +205,6 @@ class TcpLane:
         self.stats.sendmsgs += calls
         return TcpTicket(id_, rest, locked, method == "apm")
 
-    def post_barrier_local(
-        self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
-        method: Method | None = None,
-    ) -> TcpTicket:
-        """:meth:`post_barrier` of ranges of the local pool, each to the same remote offset:
-        the frames are built and sent in C, with no Python object per range."""
-        return self._post_native(region, local, ranges, None, method)
-
-    def post_barrier_packed(self, region: RemoteRegion, data: BytesLike,
-                            ranges: Sequence[tuple[int, int]], method: Method | None = None) -> TcpTicket:
-        packed, src = LocalPool(memoryview(data), ffi.from_buffer(data)), packed_offsets(data, ranges)
-        return self._post_native(region, packed, ranges, src, method)
-
     def _post_native(
         self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
         src: list[int] | None, method: Method | None,
@@ -216,10 +220,10 @@ class TcpLane:
             return [(o, local.buf[s : s + k]) for (o, k), s in zip(ranges, where, strict=True)]
 
         if not 0 < n <= MAX_FLUSH_RANGES or method not in ("apm", "gpspm"):
-            return self.post_barrier(region, writes(), method)
+            return self._post_frames(region, writes(), method)
         pairs = pairs_of(ranges)
         if lib.rpm_ranges_bad(pairs, n, size) >= 0:
-            return self.post_barrier(region, writes(), method)  # checks each, says what is wrong
+            return self._post_frames(region, writes(), method)  # checks each, says what is wrong
         apm = method == "apm"
         if apm and size < FLUSH_READ_SIZE:
             raise TransportError(self.peer, f"pool {region.name!r} is too small for a flush read")

@@ -54,12 +54,15 @@ from rpmemfs.transport.base import (
     Lane,
     LaneStats,
     LocalPool,
+    LocalRanges,
     Method,
+    PackedRanges,
     RemoteRegion,
     Session,
     Ticket,
     Transport,
     TransportError,
+    Writes,
     check_range,
     nbytes,
     unpack,
@@ -463,29 +466,19 @@ class VerbsLane:
 
     # --- the Lane interface -----------------------------------------------------------------
 
-    def post_barrier_local(
-        self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
-        method: Method | None = None,
-    ) -> VerbsTicket:
+    def post(self, region: RemoteRegion, writes: Writes, method: Method | None = None) -> VerbsTicket:
         self._check()
-        if self._last_local is not None and self._last_local[0] is local:
-            _, base, mr = self._last_local
-        else:
-            base = rdma.address_of(local.buf)
-            mr = self._local.register(base, len(local.buf))
-            self._last_local = (local, base, mr)
-        return self._barrier(region, self._writes_local(region, mr, base, ranges), ranges, method)
-
-    def post_barrier_packed(
-        self, region: RemoteRegion, data: BytesLike, ranges: Sequence[tuple[int, int]],
-        method: Method | None = None,
-    ) -> VerbsTicket:
-        return self.post_barrier(region, unpack(data, ranges), method)
-
-    def post_barrier(
-        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
-    ) -> VerbsTicket:
-        self._check()
+        if isinstance(writes, LocalRanges):
+            if self._last_local is not None and self._last_local[0] is writes.pool:
+                _, base, mr = self._last_local
+            else:
+                base = rdma.address_of(writes.pool.buf)
+                mr = self._local.register(base, len(writes.pool.buf))
+                self._last_local = (writes.pool, base, mr)
+            return self._barrier(region, self._writes_local(region, mr, base, writes.ranges), writes.ranges,
+                                 method)
+        if isinstance(writes, PackedRanges):
+            writes = unpack(writes.data, writes.ranges)
         keep: list[Any] = []
         wrs, ranges = self._writes(region, writes, keep)
         ticket = self._barrier(region, wrs, ranges, method)
@@ -506,12 +499,7 @@ class VerbsLane:
         if ticket.error is not None:
             raise ticket.error
 
-    async def barrier(
-        self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]], method: Method | None = None
-    ) -> None:
-        await self.wait(self.post_barrier(region, writes, method))
-
-    async def post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
+    async def _post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
         """The writes, without a flush. Returns once the device has taken them from their
         buffers (the completion of the last one), which says nothing of durability."""
         self._check()
@@ -523,14 +511,6 @@ class VerbsLane:
         self._submit(ticket, [wrs])
         self.stats.batches += 1
         await self.wait(ticket)
-
-    async def flush_read(self, region: RemoteRegion) -> None:
-        await self.wait(self._barrier(region, [], [], "apm"))
-
-    async def flush_send(self, region: RemoteRegion, ranges: Sequence[tuple[int, int]]) -> None:
-        for off, length in ranges:
-            check_range(self.peer, region, off, length)
-        await self.wait(self._barrier(region, [], ranges, "gpspm"))
 
     async def read(self, region: RemoteRegion, offset: int, length: int) -> bytes:
         check_range(self.peer, region, offset, length)
@@ -562,7 +542,7 @@ class VerbsLane:
             raise TransportError(self.peer, f"atomic write offset {offset} is not 8-byte aligned")
         if not 0 <= value < 1 << 64:
             raise TransportError(self.peer, f"atomic write value {value} does not fit 64 bits")
-        await self.post_writes(region, [(offset, value.to_bytes(8, "little"))])
+        await self._post_writes(region, [(offset, value.to_bytes(8, "little"))])
         self.stats.writes -= 1
         self.stats.bytes -= ATOMIC_SIZE
         self.stats.atomics += 1

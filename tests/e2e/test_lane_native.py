@@ -30,7 +30,15 @@ from helpers import cpu_seconds, cpu_wanted, pin_process
 from test_target import RawConn, Running, pool_name
 
 from rpmemfs.native import crc32c
-from rpmemfs.transport import RemoteRegion, TcpLane, TcpSession, TransportError, barrier, connect
+from rpmemfs.transport import (
+    PackedRanges,
+    RemoteRegion,
+    TcpLane,
+    TcpSession,
+    TransportError,
+    barrier,
+    connect,
+)
 from rpmemfs.transport.wire import (
     F_CLOSE,
     F_FLUSH,
@@ -226,7 +234,7 @@ def test_mixed_traffic_lands_byte_exact_and_is_counted_exactly(
                 if i % 3 == 0:
                     await barrier(lane, region, writes, flush)
                 else:
-                    ticket = lane.post_barrier(region, writes, flush)
+                    ticket = lane.post(region, writes, flush)
                     with trio.fail_after(20):
                         if i % 3 == 1 or ticket.rest:  # else only poll for the completion
                             await lane.wait(ticket)
@@ -262,7 +270,7 @@ def test_mixed_traffic_lands_byte_exact_and_is_counted_exactly(
 
 @pytest.mark.parametrize("method", ["gpspm", "apm"])
 def test_packed_copies_land_where_their_ranges_say(targets: Callable[..., Running], method: str) -> None:
-    """post_barrier_packed (asynchronous replication's copies, sent from C): each range's bytes
+    """post of PackedRanges (asynchronous replication's copies, sent from C): each range's bytes
     from its place in the packed buffer to its own offset; a buffer that does not match the
     ranges, or a range outside the pool, sends nothing."""
     t = targets(method)
@@ -280,12 +288,12 @@ def test_packed_copies_land_where_their_ranges_say(targets: Callable[..., Runnin
                 chunks = [rng.randbytes(k) for _, k in ranges]
                 for (off, k), chunk in zip(ranges, chunks, strict=True):
                     model[off : off + k] = chunk
-                await lane.wait(lane.post_barrier_packed(region, b"".join(chunks), ranges, method))
+                await lane.wait(lane.post(region, PackedRanges(b"".join(chunks), ranges), method))
             assert await lane.read(region, 0, POOL) == bytes(model)
             with pytest.raises(ValueError):
-                lane.post_barrier_packed(region, b"x" * 10, [(0, 4), (64, 4)])
+                lane.post(region, PackedRanges(b"x" * 10, [(0, 4), (64, 4)]))
             with pytest.raises(TransportError):
-                lane.post_barrier_packed(region, b"y" * 8, [(0, 4), (POOL - 2, 4)])
+                lane.post(region, PackedRanges(b"y" * 8, [(0, 4), (POOL - 2, 4)]))
             assert await lane.read(region, 0, POOL) == bytes(model)  # neither sent anything
 
     run(main)
@@ -318,7 +326,7 @@ def test_control_requests_on_a_lane_are_answered_in_order_between_data_frames(
                 # A control SEND with a barrier right behind it in the same stream: both answered.
                 await lane.send(json.dumps({"op": "info"}).encode())
                 more = os.urandom(50)
-                ticket = lane.post_barrier(region, [(500_000 + 64 * i, more)])
+                ticket = lane.post(region, [(500_000 + 64 * i, more)])
                 info = json.loads(await lane.recv())
                 assert info["ok"] and info["wire_version"] == 2 and info["method"] == "gpspm", info
                 await lane.wait(ticket)

@@ -28,7 +28,7 @@ import trio.testing
 
 from rpmemfs.native import ffi
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport.base import LocalPool, Session, Transport, TransportError
+from rpmemfs.transport.base import LocalPool, LocalRanges, Session, Transport, TransportError, barrier
 from rpmemfs.transport.choose import rdma_devices, transport_for
 from rpmemfs.transport.tokens import read_token_file
 
@@ -131,7 +131,7 @@ def scattered(rng: random.Random, count: int, size: int = POOL) -> list[tuple[in
 
 @pytest.mark.parametrize("method", ["apm", "gpspm"])
 def test_barrier_places_exact_bytes(env: Env, method: str) -> None:
-    """post_barrier_local of scattered ranges, then wait: every byte is in the target's pool
+    """post of scattered LocalRanges, then wait: every byte is in the target's pool
     file, and nothing outside the ranges was touched."""
     rng = random.Random(7)
     local = Local()
@@ -148,7 +148,7 @@ def test_barrier_places_exact_bytes(env: Env, method: str) -> None:
                 ranges = scattered(rng, 40)
                 for off, n in ranges:
                     local.buf[off : off + n] = rng.randbytes(n)
-                await lane.wait(lane.post_barrier_local(region, local.pool, ranges))
+                await lane.wait(lane.post(region, LocalRanges(local.pool, ranges)))
             assert lane.stats.flushes == 3
 
     trio.run(main)
@@ -172,7 +172,7 @@ def test_pipelined_barriers_complete_in_order(env: Env, method: str) -> None:
                 ranges = scattered(rng, 5)
                 for off, n in ranges:
                     local.buf[off : off + n] = bytes([i + 1]) * n
-                tickets.append(lane.post_barrier_local(region, local.pool, ranges))
+                tickets.append(lane.post(region, LocalRanges(local.pool, ranges)))
             for t in tickets:
                 await lane.wait(t)
             assert lane.stats.flushes == 24
@@ -199,7 +199,7 @@ def test_barriers_waited_for_last_first_with_a_read_among_them(env: Env, method:
         async with await env.session(method) as s:
             region = await s.create_pool(pool, POOL)
             lane = s.lanes[0]
-            await lane.barrier(region, [(0, b"read me back")])
+            await barrier(lane, region, [(0, b"read me back")])
             tickets = []
             got: dict[str, bytes] = {}
 
@@ -211,7 +211,7 @@ def test_barriers_waited_for_last_first_with_a_read_among_them(env: Env, method:
                     ranges = [r for r in scattered(rng, 4) if r[0] >= 64]
                     for off, n in ranges:
                         local.buf[off : off + n] = bytes([i + 1]) * n
-                    tickets.append(lane.post_barrier_local(region, local.pool, ranges))
+                    tickets.append(lane.post(region, LocalRanges(local.pool, ranges)))
                     if i == 2:
                         nursery.start_soon(read)
                         await trio.testing.wait_all_tasks_blocked()
@@ -242,7 +242,7 @@ def test_native_flush_barrier(env: Env) -> None:
             if not lane.native_flush:  # type: ignore[attr-defined]
                 assert region.method == "apm"
                 with pytest.raises(TransportError, match="no native RDMA FLUSH"):
-                    lane.post_barrier_local(region, local.pool, [(0, 8)], "flush")
+                    lane.post(region, LocalRanges(local.pool, [(0, 8)]), "flush")
                 missing.append(f"no native FLUSH here (target says flush={s.info.get('flush')})")
                 return
             # Chosen by the session itself for an appliance target (RPMEMFS_VERBS_FLUSH unset).
@@ -251,11 +251,11 @@ def test_native_flush_barrier(env: Env) -> None:
                 ranges = scattered(rng, 40)
                 for off, n in ranges:
                     local.buf[off : off + n] = rng.randbytes(n)
-                await lane.wait(lane.post_barrier_local(region, local.pool, ranges))
+                await lane.wait(lane.post(region, LocalRanges(local.pool, ranges)))
             data = rng.randbytes(100)
             local.buf[5000:5100] = data
-            await lane.barrier(region, [(5000, data)], "flush")
-            await lane.barrier(region, [], "flush")  # nothing written: a FLUSH of 8 bytes
+            await barrier(lane, region, [(5000, data)], "flush")
+            await barrier(lane, region, [], "flush")  # nothing written: a FLUSH of 8 bytes
             assert lane.stats.flushes == 5
 
     trio.run(main)
@@ -278,7 +278,7 @@ def test_many_ranges_in_one_barrier(env: Env) -> None:
         async with await env.session("gpspm") as s:
             region = await s.create_pool(pool, POOL)
             lane = s.lanes[0]
-            await lane.wait(lane.post_barrier_local(region, local.pool, ranges))
+            await lane.wait(lane.post(region, LocalRanges(local.pool, ranges)))
             assert lane.stats.flushes == 1
             stats = await s.stats(pool)
             assert stats[pool]["flushes"] == 1, stats
@@ -296,11 +296,11 @@ def test_barrier_of_buffers_read_and_atomic(env: Env) -> None:
         async with await env.session("gpspm", lanes=2) as s:
             region = await s.create_pool(pool, POOL)
             a, b = s.lanes
-            await a.barrier(region, [(100, b"hello"), (5000, b"x" * 70_000), (POOL - 8, b"tailtail")])
+            await barrier(a, region, [(100, b"hello"), (5000, b"x" * 70_000), (POOL - 8, b"tailtail")])
             assert await b.read(region, 100, 5) == b"hello"
             assert await b.read(region, 5000, 70_000) == b"x" * 70_000
             await a.atomic_write(region, 4096, 0x1122334455667788)
-            await a.flush_send(region, [(4096, 8)])
+            await barrier(a, region, [])  # a flush alone, ordered after the atomic write
             assert (await a.read(region, 4096, 8)) == (0x1122334455667788).to_bytes(8, "little")
             stats = (await s.stats(pool))[pool]
             assert stats["flushes"] == 2, stats
@@ -319,14 +319,13 @@ def test_bad_requests_fail_cleanly_and_the_lane_goes_on(env: Env) -> None:
             region = await s.create_pool(pool, POOL)
             lane = s.lanes[0]
             for bad in (
-                lane.barrier(region, [(POOL - 4, b"12345678")]),
+                barrier(lane, region, [(POOL - 4, b"12345678")]),
                 lane.read(region, POOL, 1),
                 lane.atomic_write(region, 12, 1),
-                lane.flush_send(region, [(POOL, 1)]),
             ):
                 with pytest.raises(TransportError):
                     await bad
-            await lane.barrier(region, [(0, b"still here")])
+            await barrier(lane, region, [(0, b"still here")])
             assert await lane.read(region, 0, 10) == b"still here"
             assert not lane.closed
 
@@ -346,8 +345,8 @@ def test_a_local_barrier_with_a_range_outside_the_pool_is_refused_before_anythin
             lane = s.lanes[0]
             local.buf[0:5] = b"first"
             with pytest.raises(TransportError, match="outside pool"):
-                lane.post_barrier_local(region, local.pool, [(0, 5), (POOL // 2 - 4, 8)])
-            await lane.wait(lane.post_barrier_local(region, local.pool, [(0, 5), (64, 0)]))
+                lane.post(region, LocalRanges(local.pool, [(0, 5), (POOL // 2 - 4, 8)]))
+            await lane.wait(lane.post(region, LocalRanges(local.pool, [(0, 5), (64, 0)])))
             assert await lane.read(region, 0, 5) == b"first"
             assert not lane.closed
 
@@ -368,7 +367,7 @@ def test_control_requests(env: Env) -> None:
             reply = await lane.request({"op": "info"})
             assert reply["target"] == "rpmemfs"
             region = await s.create_pool(name(), POOL)
-            await lane.barrier(region, [(0, b"ok")])
+            await barrier(lane, region, [(0, b"ok")])
 
     trio.run(main)
 
@@ -388,12 +387,12 @@ def test_a_vanished_target_fails_the_barrier_in_bounded_time(env: Env, tmp_path:
             try:
                 region = await session.create_pool(name(), POOL)
                 lane = session.lanes[0]
-                await lane.wait(lane.post_barrier_local(region, local.pool, [(0, 4096)]))
+                await lane.wait(lane.post(region, LocalRanges(local.pool, [(0, 4096)])))
                 assert proc.proc is not None
                 os.kill(proc.proc.pid, signal.SIGKILL)
                 proc.proc.wait()
                 with trio.fail_after(120), pytest.raises(TransportError) as info:
-                    await lane.wait(lane.post_barrier_local(region, local.pool, [(4096, 4096)]))
+                    await lane.wait(lane.post(region, LocalRanges(local.pool, [(4096, 4096)])))
                 assert info.value.lane_lost
             finally:
                 with trio.CancelScope(shield=True):

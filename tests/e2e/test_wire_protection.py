@@ -25,7 +25,7 @@ import trio
 from helpers import cli, pool_content, replica_file, wait_until, write_fsync
 
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport import TransportError, connect, protection
+from rpmemfs.transport import TransportError, barrier, connect, protection
 from rpmemfs.transport.tokens import new_token_file, read_token_file
 from rpmemfs.transport.wire import (
     HEADER_SIZE,
@@ -234,10 +234,10 @@ def test_a_flipped_byte_of_a_write_is_never_placed_and_closes_the_lane(
         async with await connect(proxy.address, token, lanes=1, timeout=10) as s:
             region = await s.create_pool("flipped", POOL)
             flip.min_size = 30 * KiB
-            await s.lanes[0].barrier(region, [(0, b"x" * 100)])  # small: untouched
+            await barrier(s.lanes[0], region, [(0, b"x" * 100)])  # small: untouched
             flip.armed = True
             with pytest.raises(TransportError) as err:
-                await s.lanes[0].barrier(region, [(4096, data)])
+                await barrier(s.lanes[0], region, [(4096, data)])
             assert err.value.lane_lost, err.value
             assert s.lanes[0].closed
             # Another lane of the same session works; what it reads back is not the flip.
@@ -263,7 +263,7 @@ def test_a_flipped_byte_of_a_verify_reply_is_refused(
     async def main() -> None:
         async with await connect(proxy.address, token, lanes=1, timeout=10) as s:
             region = await s.create_pool("checked", POOL)
-            await s.lanes[0].barrier(region, [(0, os.urandom(8192))])
+            await barrier(s.lanes[0], region, [(0, os.urandom(8192))])
             honest = await s.checksum(region, 0, POOL, 64 * KiB)
             flip.armed = True
             with pytest.raises(TransportError, match="failed authentication"):
@@ -287,11 +287,11 @@ def test_a_dropped_replayed_or_reordered_record_closes_the_lane(
         async with await connect(proxy.address, token, lanes=1, timeout=10) as s:
             region = await s.create_pool("sequenced", POOL)
             lane = s.lanes[0]
-            await lane.barrier(region, [(0, b"before")])
+            await barrier(lane, region, [(0, b"before")])
             tamper.armed = True
             # Two barriers, one record each, both sent before either is answered.
-            first = lane.post_barrier(region, [(4096, b"A" * 100)])
-            second = lane.post_barrier(region, [(8192, b"B" * 100)])
+            first = lane.post(region, [(4096, b"A" * 100)])
+            second = lane.post(region, [(8192, b"B" * 100)])
             with pytest.raises(TransportError) as err:
                 await lane.wait(first)
                 await lane.wait(second)
@@ -352,7 +352,7 @@ def test_the_wire_carries_no_plaintext_of_what_was_written(
     async def main() -> None:
         async with await connect(proxy.address, token, lanes=2, timeout=10) as s:
             region = await s.create_pool(name, POOL)
-            await s.lanes[0].barrier(region, [(0, data)])
+            await barrier(s.lanes[0], region, [(0, data)])
             assert await s.lanes[1].read(region, 0, len(data)) == data
 
     trio.run(main)
@@ -381,9 +381,9 @@ def test_both_ends_plain_work_and_are_exposed(
         async with await connect(proxy.address, token, lanes=1, timeout=10, wire_protection="none") as s:
             region = await s.create_pool("plain", POOL)
             assert s.info["wire_protection"] == "none"
-            await s.lanes[0].barrier(region, [(0, b"clear")])
+            await barrier(s.lanes[0], region, [(0, b"clear")])
             flip.armed = True
-            await s.lanes[0].barrier(region, [(4096, data)])  # "succeeds"
+            await barrier(s.lanes[0], region, [(4096, data)])  # "succeeds"
 
     trio.run(main)
     assert flip.done

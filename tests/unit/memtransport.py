@@ -38,13 +38,15 @@ from rpmemfs.transport.base import (
     BytesLike,
     Lane,
     LaneStats,
-    LocalPool,
+    LocalRanges,
     Method,
+    PackedRanges,
     RemoteRegion,
     Session,
     Ticket,
     Transport,
     TransportError,
+    Writes,
     check_range,
     unpack,
 )
@@ -189,8 +191,11 @@ class MemLane:
                 pool[off: off + n] = data
                 self.target.ops.append(("write", region.name, off, n))
 
-    def post_barrier(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]],
-                     method: Method | None = None) -> MemTicket:
+    def post(self, region: RemoteRegion, writes: Writes, method: Method | None = None) -> MemTicket:
+        if isinstance(writes, LocalRanges):
+            writes = [(o, writes.pool.buf[o: o + n]) for o, n in writes.ranges]
+        elif isinstance(writes, PackedRanges):
+            writes = unpack(writes.data, writes.ranges)
         self._place(region, writes)
         self.stats.batches += 1
         error = None
@@ -198,14 +203,6 @@ class MemLane:
             self.target.ops.append(("flush", region.name))
             error = self.target._errors.popleft() if self.target._errors else None
         return MemTicket(self.target._reply_at(), error)
-
-    def post_barrier_local(self, region: RemoteRegion, local: LocalPool, ranges: Sequence[tuple[int, int]],
-                           method: Method | None = None) -> MemTicket:
-        return self.post_barrier(region, [(o, local.buf[o: o + n]) for o, n in ranges], method)
-
-    def post_barrier_packed(self, region: RemoteRegion, data: BytesLike,
-                            ranges: Sequence[tuple[int, int]], method: Method | None = None) -> MemTicket:
-        return self.post_barrier(region, unpack(data, ranges), method)
 
     def poll(self, ticket: Ticket) -> bool:
         assert isinstance(ticket, MemTicket)
@@ -229,19 +226,6 @@ class MemLane:
                 self.session.check()
             with trio.move_on_at(min(ticket.reply_at, deadline)):
                 await self.session.broken.wait()
-
-    async def barrier(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]],
-                      method: Method | None = None) -> None:
-        await self.wait(self.post_barrier(region, writes, method))
-
-    async def post_writes(self, region: RemoteRegion, writes: Sequence[tuple[int, BytesLike]]) -> None:
-        self._place(region, writes)
-
-    async def flush_read(self, region: RemoteRegion) -> None:
-        await self.barrier(region, [], "apm")
-
-    async def flush_send(self, region: RemoteRegion, ranges: Sequence[tuple[int, int]]) -> None:
-        await self.barrier(region, [], "gpspm")
 
     async def read(self, region: RemoteRegion, offset: int, length: int) -> bytes:
         check_range(self.peer, region, offset, length)

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport.base import RemoteRegion, TransportError
+from rpmemfs.transport.base import RemoteRegion, TransportError, barrier
 from rpmemfs.transport.choose import rdma_devices
 
 IP_A = os.environ.get("RXE_IP_A", "")
@@ -61,14 +61,15 @@ def test_an_rkey_works_only_in_its_own_session_and_not_after_it(work: Path) -> N
     async def refused(s: verbs.VerbsSession, stolen: RemoteRegion, what: str) -> None:
         lane = s.lanes[0]
         with pytest.raises(TransportError):
-            await lane.post_writes(stolen, [(0, b"evil")])
-            await lane.read(stolen, 0, 4)  # the READ's completion reports the failed WRITE
+            # A barrier's flush (a READ, or a SEND after the writes) reports the failed WRITE.
+            await barrier(lane, stolen, [(0, b"evil")])
+            await lane.read(stolen, 0, 4)
         assert (work / "pools" / "a").read_bytes()[:4] == b"mine", f"{what}: the write landed"
 
     async def main() -> None:
         a = await session()
         region_a = await a.create_pool("a", POOL)
-        await a.lanes[0].post_writes(region_a, [(0, b"mine")])
+        await barrier(a.lanes[0], region_a, [(0, b"mine")])
         assert await a.lanes[0].read(region_a, 0, 4) == b"mine"  # the rkey works in its session
 
         b = await session()

@@ -8,7 +8,7 @@ The floor comes from perftest on the same pair, in the same run: `ib_write_lat -
 daemons listen on RXE_IP_B, both with `--pmem force` so the methods differ only in the flush:
 one `--persist apm`, one `--persist gpspm`. Per method, one session with one lane:
 
-- `1x4K`, `16x4K` (16 ranges 8 KiB apart): `post_barrier_local` + `wait`, one at a time;
+- `1x4K`, `16x4K` (16 ranges 8 KiB apart): `post` of `LocalRanges` + `wait`, one at a time;
 - `1x1M`: the same with one 1 MiB range, reported as MB/s;
 - `pipelined 4K`: 64 barriers of 4 KiB posted before the first is awaited, as barriers/s.
 
@@ -50,7 +50,7 @@ from rpmemfs import safeopen
 from rpmemfs.native import ffi
 from rpmemfs.tools.bench.stats import percentile
 from rpmemfs.tools.processes import TargetProcess
-from rpmemfs.transport.base import LocalPool, RemoteRegion
+from rpmemfs.transport.base import LocalPool, LocalRanges, RemoteRegion
 from rpmemfs.transport.tokens import read_token_file
 
 KIB = 1 << 10
@@ -140,7 +140,7 @@ async def _method(session: Any, method: str, iters: int, region: RemoteRegion | 
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            ticket = lane.post_barrier_local(region, local, ranges, method)
+            ticket = lane.post(region, LocalRanges(local, ranges), method)
             t1 = time.perf_counter()
             await lane.wait(ticket)
             times.append((time.perf_counter() - t0) * 1e6)
@@ -164,7 +164,7 @@ async def _method(session: Any, method: str, iters: int, region: RemoteRegion | 
     t0 = time.perf_counter()
     rounds = max(4, iters // 64)
     for _ in range(rounds):
-        tickets = [lane.post_barrier_local(region, local, [(32 * MIB + i * 4 * KIB, 4 * KIB)], method)
+        tickets = [lane.post(region, LocalRanges(local, [(32 * MIB + i * 4 * KIB, 4 * KIB)]), method)
                    for i in range(64)]
         for ticket in tickets:
             await lane.wait(ticket)
