@@ -470,6 +470,21 @@ def write_fsync(path: Path, data: bytes) -> None:
 # --------------------------------------------------------------------------- CPU contention
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP, and wait until every thread of the process is stopped. Delivery is not
+    immediate: the thread that takes the signal starts the group stop only when it next runs,
+    and a busy machine may run another thread of the process for tens of milliseconds first
+    (a target's lane thread kept acknowledging barriers meanwhile: test_async once saw four
+    times max_lag acknowledged "past" a stopped replica)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        tasks = Path(f"/proc/{pid}/task")
+        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks.iterdir())
+
+    assert wait_until(stopped, timeout=10), f"process {pid} did not stop within 10 s of SIGSTOP"
+
+
 def pin_process(pid: int, *cpus: int) -> None:
     """Every thread of ``pid`` (and the threads they start later) on ``cpus`` only."""
     for tid in os.listdir(f"/proc/{pid}/task"):

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 from conftest import Host, MountPool
-from helpers import cli, fsync_path, pool_content, replica_file, status_json, wait_until, write_fsync
+from helpers import (
+    cli,
+    fsync_path,
+    pool_content,
+    replica_file,
+    status_json,
+    stop_process,
+    wait_until,
+    write_fsync,
+)
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -59,17 +68,6 @@ def _restart(t: TargetProcess, work_dir: Path, n: int) -> TargetProcess:
     again.start()
     return again
 
-
-def _stop(pid: int) -> None:
-    """SIGSTOP, and wait until every thread of the process is stopped (delivery is not
-    immediate for a thread running on another CPU)."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        tasks = Path(f"/proc/{pid}/task")
-        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks.iterdir())
-
-    assert wait_until(stopped, timeout=10)
 
 
 def test_kill9_of_a_target_keeps_serving_within_policy_and_the_replica_rejoins(
@@ -145,7 +143,7 @@ def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
     m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=1")
     write_fsync(m.path / "a", b"a" * 10000)
     assert targets[1].proc is not None
-    _stop(targets[1].proc.pid)
+    stop_process(targets[1].proc.pid)
     # The first fsync waits out the timeout on the stopped replica, then succeeds (policy 1).
     write_fsync(m.path / "b", b"b" * 10000)
     assert _states(m.path) == ["in-sync", "stale"]

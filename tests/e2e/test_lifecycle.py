@@ -41,6 +41,7 @@ from helpers import (
     pool_content,
     replica_file,
     status_json,
+    stop_process,
     wait_until,
     write_fsync,
 )
@@ -58,16 +59,6 @@ def _replicated(work_dir: Path, targets: list[TargetProcess], size: str) -> Path
     assert res.returncode == 0, describe(res)
     return pool
 
-
-def _stop(pid: int) -> None:
-    """SIGSTOP, and wait until every thread of the process is stopped."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        tasks = Path(f"/proc/{pid}/task")
-        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks.iterdir())
-
-    assert wait_until(stopped, timeout=10)
 
 
 def _exited(pid: int) -> bool:
@@ -130,7 +121,7 @@ def test_a_control_client_killed_mid_request_leaves_the_daemon_serving(
     # A target that does not answer for a moment holds the request in the middle of its
     # comparison (well within replica_timeout), whatever the speed of this machine.
     assert targets[0].proc is not None
-    _stop(targets[0].proc.pid)
+    stop_process(targets[0].proc.pid)
     try:
         _progress_then_kill(argv, command)
         time.sleep(1.5)  # the daemon's next progress lines go to the dead client
@@ -157,7 +148,7 @@ def test_a_sync_cut_short_by_the_end_of_the_mount_leaves_its_replica_to_a_full_c
     m = mount_pool(pool)
     assert m.proc is not None and targets[0].proc is not None
     write_fsync(m.path / "f", os.urandom(100_000))
-    _stop(targets[0].proc.pid)  # the sync waits on replica 0's first checksums
+    stop_process(targets[0].proc.pid)  # the sync waits on replica 0's first checksums
     try:
         master, slave = pty.openpty()
         client = subprocess.Popen([*CLI, "sync", str(m.path)], cwd=REPO, stdin=subprocess.DEVNULL,
@@ -192,7 +183,7 @@ def test_a_live_sync_that_fails_on_a_replica_has_it_compared_in_full_when_it_is_
     doomed = targets[0]
     assert doomed.proc is not None
     write_fsync(m.path / "f", os.urandom(100_000))
-    _stop(doomed.proc.pid)
+    stop_process(doomed.proc.pid)
     client = subprocess.Popen([*CLI, "sync", str(m.path)], cwd=REPO, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     time.sleep(1.0)  # its comparison of replica 0 waits on the stopped target
@@ -291,7 +282,7 @@ def test_rpmemfs_umount_refuses_what_it_cannot_unmount(work_dir: Path, make_pool
     assert is_mounted("/dev/shm")
     m = mount_pool(make_pool("16M"))
     assert m.proc is not None
-    _stop(m.proc.pid)  # alive, but not answering (and not to be stat'ed here meanwhile)
+    stop_process(m.proc.pid)  # alive, but not answering (and not to be stat'ed here meanwhile)
     try:
         res = cli("umount", m.path, "--timeout", "2")
     finally:

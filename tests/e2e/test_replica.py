@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import stop_process
 
 from rpmemfs.fs.mkfs import mkfs
 from rpmemfs.pmem import PoolMapping
@@ -372,7 +373,7 @@ def test_a_barrier_larger_than_the_socket_buffer_goes_out_whole(
             # the rest is left to send, and the small one queues behind it, not cutting in.
             for t in (apm, gpspm):
                 assert t.proc.proc is not None
-                os.kill(t.proc.proc.pid, signal.SIGSTOP)
+                stop_process(t.proc.proc.pid)
             try:
                 flights = [rs.post(ranges), rs.post([local.put(hdr.data_off, b"behind the big one")])]
                 assert all(p.ticket.rest for p in flights[0].posted)  # type: ignore[attr-defined]

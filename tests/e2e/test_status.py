@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from conftest import MountPool
-from helpers import cli, wait_until, write_fsync
+from helpers import cli, stop_process, wait_until, write_fsync
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -95,7 +95,7 @@ def test_a_replica_that_stops_answering_shows_at_once_as_a_waiting_barrier(
     assert _status(m.path)[1]["oldest_barrier_s"] == 0
     hung = targets[1]
     assert hung.proc is not None
-    os.kill(hung.proc.pid, signal.SIGSTOP)
+    stop_process(hung.proc.pid)
     done = threading.Event()
     writer = threading.Thread(target=lambda: (write_fsync(m.path / "b", b"b" * 9000), done.set()))
     try:
