@@ -9,9 +9,10 @@ a point that failed are sent again with the next one. `point.py` holds all of it
 `commit.py` runs points periodically for changes nobody fsynced (`-o commit=SECONDS`).
 """
 
+from rpmemfs.changeset import Changes, ChangeSource, Persister
 from rpmemfs.durability.backlog import DEFAULT_MAX_LAG, Backlog
 from rpmemfs.durability.commit import DEFAULT_COMMIT, Committer
-from rpmemfs.durability.point import Changes, ChangeSource, Durability, DurabilityError, Persister
+from rpmemfs.durability.point import Durability, DurabilityError
 from rpmemfs.durability.stale_table import StaleTable
 from rpmemfs.durability.stats import Stats
 

@@ -38,10 +38,11 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
+from rpmemfs.changeset import Changes, ChangeSource, Persister
 from rpmemfs.durability.backlog import Backlog
 from rpmemfs.durability.stale_table import StaleTable
 from rpmemfs.durability.stats import Stats
@@ -61,32 +62,6 @@ class DurabilityError(RpmemfsError):
     def __init__(self, message: str, unexpected: BaseException | None = None) -> None:
         super().__init__(message)
         self.unexpected = unexpected
-
-
-class Changes(Protocol):
-    """What changed since the last durability point (the filesystem's `Changes`)."""
-
-    persisted: Ranges  # persisted outside a point (checkpoints), in order: replicas need them
-    stored: Ranges  # written with non-temporal stores: durable here already
-    data: Ranges  # written through the cache: flushed before the log record is stored
-    log: tuple[int, bytes] | None  # the staged log record: its offset and bytes
-    seq: int  # the last log record covered
-    tail: int  # the log position after it
-    stamp: tuple[int, bytes] | None  # with a log record: its point's position stamp, to store after it
-
-
-class ChangeSource(Protocol):
-    def has_changes(self) -> bool: ...
-    def take_changes(self) -> Changes: ...
-    def mark_durable(self, seq: int, tail: int) -> None: ...
-
-
-class Persister(Protocol):
-    """Local persistence (`rpmemfs.pmem.PoolMapping`)."""
-
-    def persist(self, ranges: Iterable[tuple[int, int]]) -> None: ...
-    def persist_then_store(self, first: Iterable[tuple[int, int]], offset: int, data: bytes,
-                           then: tuple[int, bytes] | None = None) -> None: ...
 
 
 class _held:  # noqa: N801 (used as "async with _held(lock)", like the lock itself)

@@ -31,9 +31,8 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
 
+from rpmemfs.changeset import Changes, Persister
 from rpmemfs.fs import records as R
 from rpmemfs.fs.alloc import Allocator
 from rpmemfs.fs.errors import FsError
@@ -49,28 +48,6 @@ log = logging.getLogger("rpmemfs.fs")
 SNAPSHOT_LIMIT = 0.6
 # A log tail shorter than this is replayed in a few milliseconds: not worth a checkpoint.
 CHECKPOINT_MIN_TAIL = 64 << 10
-
-
-class Persister(Protocol):
-    """Local persistence (PoolMapping satisfies it), for what the filesystem persists outside a
-    durability point: a repaired header, a checkpoint."""
-
-    def persist(self, ranges: Ranges) -> None: ...
-
-
-@dataclass(slots=True)
-class Changes:
-    """What changed since the last durability point, handed over by take_changes()."""
-
-    persisted: Ranges  # persisted here outside a point (checkpoints), in order
-    stored: Ranges  # written with non-temporal stores: durable here already
-    data: Ranges  # written through the cache: to flush before the log record is stored
-    log: tuple[int, bytes] | None  # the staged log record (offset, bytes), to store last
-    seq: int  # last log record covered
-    tail: int  # log position after it
-    # With a log record: the position stamp that says the point ended (offset, bytes), to
-    # store once the record is persistent (rpmemfs.fs.log.scan reads it after a crash).
-    stamp: tuple[int, bytes] | None = None
 
 
 class ChangeTracker:

@@ -24,15 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rpmemfs.changeset import Changes, Persister
 from rpmemfs.fs import recovery, snapshot
 from rpmemfs.fs.attrs import Attributes
-from rpmemfs.fs.changes import (
-    CHECKPOINT_MIN_TAIL,
-    SNAPSHOT_LIMIT,
-    Changes,
-    ChangeTracker,
-    Persister,
-)
+from rpmemfs.fs.changes import CHECKPOINT_MIN_TAIL, SNAPSHOT_LIMIT, ChangeTracker
 from rpmemfs.fs.creds import Caller
 from rpmemfs.fs.data import MAX_FILE_SIZE, Data, NeedSync
 from rpmemfs.fs.errors import FsError

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rpmemfs.changeset import Persister
 from rpmemfs.fs.alloc import Allocator
-from rpmemfs.fs.changes import ChangeTracker, Persister
+from rpmemfs.fs.changes import ChangeTracker
 from rpmemfs.fs.data import Data
 from rpmemfs.fs.inode import Inode
 from rpmemfs.fs.log import Log, LogScan, scan

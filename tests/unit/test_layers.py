@@ -177,7 +177,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("persistence", {"pmem"}),
     ("pool format", {"pool"}),
     ("small shared", {"", "errors", "units", "ranges", "logs", "progress", "mountinfo", "native", "printable",
-                      "safeopen", "holders", "devdax", "latency", "sdnotify", "cliparse", "poolname"}),
+                      "safeopen", "holders", "devdax", "latency", "sdnotify", "cliparse", "poolname",
+                      "changeset"}),
 ]
 RANK = {f"rpmemfs.{p}".rstrip("."): i for i, (_, parts) in enumerate(LAYERS) for p in parts}
 
