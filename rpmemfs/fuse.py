@@ -92,7 +92,7 @@ class Operations(pyfuse3.Operations):
                  xattrs: bool = True, poll_us: int = 0, writeback_cache: bool = False) -> None:
         super().__init__()
         self.fs = fs
-        self.durable = durability.point
+        self._point = durability.point
         self.enable_writeback_cache = writeback_cache
         self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
@@ -304,6 +304,11 @@ class Operations(pyfuse3.Operations):
     @errors
     async def release(self, fh: int) -> None:
         self.fs.released(fh)
+
+    async def durable(self) -> None:
+        """A durability point, with no polling of /dev/fuse while it waits (poller.py says why)."""
+        with self.poller.held():
+            await self._point()
 
     @errors
     async def fsync(self, fh: int, datasync: bool) -> None:
