@@ -22,7 +22,9 @@ def test_no_polling_while_a_point_waits_and_a_whole_budget_after() -> None:
             poller.kick()
             await trio.sleep(0.05)  # polling (or given way, on a busy machine)
             with poller.held():
-                await trio.sleep(0.01)  # the pass under way when the hold began ends, counted
+                with trio.fail_after(5):
+                    while poller._idle is None:  # the poll under way when the hold began ends
+                        await trio.sleep(0.001)
                 before = (poller.polls, poller.yielded)
                 poller.kick()  # a request arriving while the point waits
                 await trio.sleep(BUDGET + 0.05)  # the point waiting for its replicas
