@@ -481,7 +481,11 @@ def test_polling_stops_on_a_cpu_another_thread_wants(make_pool: MakePool, mount_
         before = status(m.path)["poll_yielded"]
         with cpu_wanted(cpu):
             busy = polled(b"contended")
-        assert busy < 0.05, f"the daemon polled {busy:.3f}s of 0.5 on a CPU another thread wanted"
+        # Its CPU time then is the ~160 requests' own (30-50 ms here, counted in 10 ms ticks),
+        # not 2 ms of polling after each (over 300 ms): a bound between the two, and well
+        # under what it polled alone.
+        assert busy < min(0.1, max(alone) / 2), (
+            f"the daemon used {busy:.3f}s of 0.5 on a CPU another thread wanted ({alone}s alone)")
         assert status(m.path)["poll_yielded"] > before  # type: ignore[operator]
     finally:
         os.close(fd)
