@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 from rpmemfs.native import lib
 from rpmemfs.target.sessions import Region
-from rpmemfs.transport.wire import ATOMIC_SIZE, HEADER, Op
+from rpmemfs.transport.wire import ATOMIC_SIZE, HEADER, Op, WireError, unpack_header
 
 
 def _op(op: int) -> str:
@@ -33,6 +33,7 @@ class Refused:
 
     def __init__(self, rule: int, header: bytes, args: tuple[int, int, int]) -> None:
         self.rule = rule
+        self.header = header
         self.op, self.flags, self.reserved, self.key, self.offset, self.length, self.id, self.imm = (
             HEADER.unpack(header)
         )
@@ -40,6 +41,16 @@ class Refused:
 
     def reason(self, regions: Mapping[int, Region]) -> str:
         return _WORDS[self.rule](self, regions)
+
+
+def _header(f: Refused, regions: Mapping[int, Region]) -> str:
+    # The header checks are unpack_header's too (a control connection's frames, replies to an
+    # initiator): its words, so that each is written once.
+    try:
+        unpack_header(f.header)
+    except WireError as exc:
+        return exc.reason
+    return f"header refused by the lane loop: {f.header.hex()}"
 
 
 def _bounds(f: Refused, regions: Mapping[int, Region]) -> str:
@@ -56,9 +67,9 @@ def _flush_list(f: Refused, regions: Mapping[int, Region]) -> str:
 
 
 _WORDS: dict[int, Callable[[Refused, Mapping[int, Region]], str]] = {
-    lib.RPM_REFUSED_OP: lambda f, r: f"unknown op 0x{f.op:02x}",
-    lib.RPM_REFUSED_RESERVED: lambda f, r: f"reserved header field is {f.reserved}, not 0",
-    lib.RPM_REFUSED_FLAGS: lambda f, r: f"unknown flags 0x{f.flags:02x} on {_op(f.op)}",
+    lib.RPM_REFUSED_OP: _header,
+    lib.RPM_REFUSED_RESERVED: _header,
+    lib.RPM_REFUSED_FLAGS: _header,
     lib.RPM_REFUSED_NOT_INITIATORS: lambda f, r: f"{_op(f.op)} is not something an initiator sends",
     lib.RPM_REFUSED_TOO_LARGE: lambda f, r: (f"{_op(f.op)} of {f.length} bytes exceeds the limit of "
                                              f"{f.args[0]}"),
