@@ -610,6 +610,12 @@ def cmd_target(args: argparse.Namespace) -> int:
     return target_main(rest)
 
 
+def cmd_ha(args: argparse.Namespace) -> int:
+    from rpmemfs.ha.agent import main as agent
+
+    return agent(args.action)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rpmemfs.tools.demo import run_demo
 
@@ -854,6 +860,10 @@ def build_parser() -> ArgumentParser:
     s.add_argument("dir")
     s.add_argument("--size", type=_size_arg, default="256M",
                    help="the pool's size (default 256M); the demo takes three times that in DIR")
+
+    s = command("ha", cmd_ha, "the Pacemaker resource agent's actions (mount/ocf/rpmemfs runs them; "
+                "parameters in OCF_RESKEY_*, docs/ha.md)")
+    s.add_argument("action", help="start, stop, monitor, promote, demote, notify, validate-all, meta-data")
     # Made from the parser, so that a command added above is named here too.
     p.description = textwrap.fill(f"The `rpmemfs` command: {', '.join(sub.choices)}.", width=95)
     return p

@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 # libssl-dev: the native helper seals protected connections with libcrypto (native/rpmem_sec.c).
 PKGS=(fuse3 libfuse3-dev libssl-dev pkg-config gcc python3-dev python3-venv git sqlite3 tar psmisc patch)
 # The tests also run a real Prometheus server and promtool against the metrics and alert rules,
-# systemd-analyze against the units, and setfacl/getfacl on the mount and on a tmpfs beside it.
-for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd acl); done
+# systemd-analyze against the units, setfacl/getfacl on the mount and on a tmpfs beside it, and
+# ocf-tester (resource-agents; xmllint checks the meta-data) against the Pacemaker agent.
+for arg in "$@"; do [ "$arg" = --test ] && PKGS+=(prometheus systemd acl resource-agents libxml2-utils); done
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -62,5 +63,8 @@ if [ "$system" = 1 ]; then
   install -d -m 755 /etc/rpmemfs /etc/systemd/system
   install -m 644 mount/rpmemfs@.service mount/rpmemfs-target@.service /etc/systemd/system/
   if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+  # The Pacemaker resource agent ocf:rpmemfs:rpmemfs (docs/ha.md), where Pacemaker looks.
+  install -d -m 755 /usr/lib/ocf/resource.d/rpmemfs
+  install -m 755 mount/ocf/rpmemfs /usr/lib/ocf/resource.d/rpmemfs/rpmemfs
 fi
 .venv/bin/python -c "import rpmemfs.native as n; print('rpmemfs installed; cache flush:', n.flush_kind(), '; crc32c in hardware:', n.crc32c_hw())"

@@ -52,7 +52,7 @@ from rpmemfs.pool.layout import Header, PoolFormatError, show_epoch
 from rpmemfs.poolfile import place
 from rpmemfs.replica.fencing import Probe, holder, new_epoch, probe_replicas
 from rpmemfs.replica.spec import ReplicaSpec
-from rpmemfs.replica.table import inspect_table
+from rpmemfs.replica.table import inspect_table, write_table
 from rpmemfs.replica.verify import chunk_of, count_chunks, differing_chunks
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session, TransportError
 from rpmemfs.transport.choose import transport_for
@@ -264,3 +264,54 @@ def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec) -> None:
         promoted, _ = write_epoch(mapping.buf, hdr, epoch, mapping.persist)
         mark_others_full(mapping, promoted, source)
         mapping.persist([(0, promoted.pool_size)])
+
+
+async def takeover_in_place(pool: str, specs: list[ReplicaSpec], token: bytes | None, *,
+                            token_file: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                            wire_protection: str = DEFAULT_PROTECTION) -> dict[str, Any]:
+    """Promote the copy ``pool`` already holds (it is the most recent one: automatic failover,
+    rpmemfs/ha), with ``specs`` as its replicas from now on: claim every reachable one as a
+    takeover under an epoch above all seen, so that the old primary is fenced on each, then
+    give the pool that epoch, the table ``specs`` and a sync map in which every replica is
+    compared in full at the next mount. Nothing is copied."""
+    t0 = time.monotonic()
+    who = holder(os.path.abspath(pool), command="promote")
+    if who_has := busy(pool):
+        raise RepairError(f"{pool} is in use ({who_has}): nothing was claimed")
+    try:
+        with PoolMapping.open(pool, "msync", readonly=True, opener=safeopen.opener) as pm:
+            hdr, _ = read_header(pm.buf)
+    except (PmemError, PoolFormatError, OSError) as exc:
+        raise RepairError(f"{pool} holds no usable pool: {exc}; nothing was claimed") from None
+    try:
+        probes = await probe_replicas(specs, token, timeout, wire_protection=wire_protection)
+        epoch = new_epoch([hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)])
+        held: dict[str, position.Position | None] = {}
+        claimed, unreachable = await _claim_others(specs, probes, token, epoch, who, timeout, held,
+                                                   wire_protection)
+        specs_by_name = {str(s): s for s in specs}
+        await _check_still_held([specs_by_name[s] for s in claimed], token, epoch, timeout,
+                                wire_protection)
+    except TransportError as exc:
+        raise RepairError(f"promote stopped: {exc}") from None
+    except trio.TooSlowError:
+        raise RepairError(f"promote stopped: a replica did not answer within {timeout:g}s") from None
+    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
+        write_epoch(mapping.buf, hdr, epoch, mapping.persist)
+    set_replicas(pool, specs, None, token_file)
+    return {"pool": pool, "from": pool, "epoch": show_epoch(epoch), "replicas": [str(s) for s in specs],
+            "claimed": claimed, "unreachable": unreachable, "bytes_copied": 0,
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def set_replicas(pool: str, specs: list[ReplicaSpec], in_sync: ReplicaSpec | None,
+                 token_file: str | None) -> None:
+    """Give an unmounted pool the replica table ``specs`` and a fresh sync map in which
+    ``in_sync`` (one of them, or None) holds all of the pool and every other one is compared in
+    full at the next mount: what a promote does when the new primary's replicas are not the
+    old one's (automatic failover: every node but the new primary)."""
+    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
+        hdr, _ = read_header(mapping.buf)
+        mapping.persist(write_table(mapping.buf, specs, token_file))
+        mark_others_full(mapping, hdr, in_sync)
+        mapping.persist([(0, hdr.pool_size)])

@@ -79,8 +79,9 @@ async def read_runs(lane: Lane, region: RemoteRegion, buf: memoryview, runs: lis
     return total
 
 
-def mark_others_full(mapping: PoolMapping, hdr: Header, source: ReplicaSpec) -> None:
-    """A fresh sync map: the source replica holds all of the pool, the others are unknown."""
+def mark_others_full(mapping: PoolMapping, hdr: Header, source: ReplicaSpec | None) -> None:
+    """A fresh sync map: the source replica (if any) holds all of the pool, the others are
+    unknown."""
     buf = mapping.buf
     mapping.persist(format_map(buf, hdr))
     syncmap = SyncMap(buf, hdr, mapping.persist)
