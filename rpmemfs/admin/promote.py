@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
@@ -110,9 +110,11 @@ def _refuse_destination(pool: str, hdr: Header, force: bool) -> None:
 async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, force: bool = False,
                        unfinished_resync: bool = False, progress: Progress | None = None,
                        timeout: float = DEFAULT_TIMEOUT,
-                       wire_protection: str = DEFAULT_PROTECTION) -> dict[str, Any]:
+                       wire_protection: str = DEFAULT_PROTECTION,
+                       unreached: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Make ``pool`` the primary of ``source``'s replica set (see the module's text); every
-    connection to a target asks for ``wire_protection``."""
+    connection to a target asks for ``wire_protection``. ``unreached`` names replicas (as
+    "ADDR/NAME") the caller just failed to reach, and why: they are not waited for again."""
     t0 = time.monotonic()
     who = holder(os.path.abspath(pool), command="promote")
     wp = wire_protection
@@ -133,7 +135,7 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         _refuse_destination(pool, hdr, force)
         others = [s for s in specs if str(s) != str(source)]
         specs_by_name = {str(s): s for s in specs}
-        probes = [src_probe, *await probe_replicas(others, token, timeout, wire_protection=wp)]
+        probes = [src_probe, *await _probe_reachable(others, token, timeout, wp, unreached or {})]
         seen = [hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)]
         epoch = new_epoch(seen)
         # Fence first: once a replica recorded this claim, the old primary cannot write it.
@@ -184,6 +186,15 @@ def behind(source: str, held: dict[str, position.Position | None]) -> dict[str, 
             "most_advanced": ahead_spec,
             "records": ahead.seq - mine.seq if mine else None,
             "seconds": round((ahead.time_ns - mine.time_ns) / 1e9, 3) if mine else None}
+
+
+async def _probe_reachable(specs: list[ReplicaSpec], token: bytes | None, timeout: float,
+                           wire_protection: str, unreached: Mapping[str, str]) -> list[Probe]:
+    """probe_replicas, without waiting again for the replicas known to be out of reach."""
+    asked = [s for s in specs if str(s) not in unreached]
+    found = {str(p.spec): p for p in await probe_replicas(asked, token, timeout,
+                                                          wire_protection=wire_protection)}
+    return [found.get(str(s)) or Probe(s, error=unreached[str(s)]) for s in specs]
 
 
 async def _check_still_held(specs: list[ReplicaSpec], token: bytes | None, epoch: int,
@@ -268,12 +279,13 @@ def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec) -> None:
 
 async def takeover_in_place(pool: str, specs: list[ReplicaSpec], token: bytes | None, *,
                             token_file: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                            wire_protection: str = DEFAULT_PROTECTION) -> dict[str, Any]:
+                            wire_protection: str = DEFAULT_PROTECTION,
+                            unreached: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Promote the copy ``pool`` already holds (it is the most recent one: automatic failover,
     rpmemfs/ha), with ``specs`` as its replicas from now on: claim every reachable one as a
     takeover under an epoch above all seen, so that the old primary is fenced on each, then
     give the pool that epoch, the table ``specs`` and a sync map in which every replica is
-    compared in full at the next mount. Nothing is copied."""
+    compared in full at the next mount. Nothing is copied. ``unreached`` as for promote_pool."""
     t0 = time.monotonic()
     who = holder(os.path.abspath(pool), command="promote")
     if who_has := busy(pool):
@@ -284,7 +296,7 @@ async def takeover_in_place(pool: str, specs: list[ReplicaSpec], token: bytes | 
     except (PmemError, PoolFormatError, OSError) as exc:
         raise RepairError(f"{pool} holds no usable pool: {exc}; nothing was claimed") from None
     try:
-        probes = await probe_replicas(specs, token, timeout, wire_protection=wire_protection)
+        probes = await _probe_reachable(specs, token, timeout, wire_protection, unreached or {})
         epoch = new_epoch([hdr.epoch, *(p.epoch for p in probes if p.epoch is not None)])
         held: dict[str, position.Position | None] = {}
         claimed, unreachable = await _claim_others(specs, probes, token, epoch, who, timeout, held,

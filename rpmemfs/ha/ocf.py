@@ -76,9 +76,10 @@ PARAMS: tuple[Param, ...] = (
           "--help`."),
     Param("replica_timeout", "seconds a replica may take",
           "The mount's replica_timeout: how long an fsync waits for a replica that stopped "
-          "answering before leaving it out.", default="5"),
+          "answering before leaving it out, and how long the promoted node's mount waits for a "
+          "node that does not answer (twice: asked who owns it, then connected to).", default="3"),
     Param("probe_timeout", "seconds to reach a node at promote",
-          "How long a promote waits for each other node's target to answer.", default="3"),
+          "How long a promote waits for each other node's target to answer.", default="2"),
     Param("wire_protection", "aead or none",
           "Traffic between the nodes: aead (encrypted and authenticated) or none (a trusted "
           "link only).", default="aead"),

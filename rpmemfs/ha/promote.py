@@ -51,7 +51,13 @@ def _take_copy(cfg: HaConfig, tok: bytes) -> str:
     found = trio.run(survey, cfg, tok)
     chosen = choose(found, len(cfg.nodes), cfg.majority)
     peers = [cfg.spec(n) for n in cfg.others]
-    wp, timeout = cfg.wire_protection, cfg.replica_timeout
+    # A node the survey did not reach is not waited for again (a dead node's address
+    # answers nothing: each wait is a whole timeout); it is fenced when it comes back.
+    unreached = {str(cfg.spec(n)): f"{n.name}: {found.unreached[n.name]}"
+                 for n in cfg.others if n.name in found.unreached}
+    # The old primary's table names this node, whose target the promote stopped.
+    unreached[str(cfg.spec(cfg.mine))] = "this node: its copy is the one promoted"
+    wp, timeout = cfg.wire_protection, cfg.probe_timeout
     if chosen is None:
         if cfg.size is None:
             raise OcfError(Ocf.ERR_CONFIGURED, "no node holds a copy of the pool yet: set size= "
@@ -62,18 +68,19 @@ def _take_copy(cfg: HaConfig, tok: bytes) -> str:
         return f"made the pool ({cfg.size} bytes), its replicas on {on}"
     if chosen.local:
         done = trio.run(lambda: takeover_in_place(cfg.pool_path, peers, tok, token_file=cfg.token_file,
-                                                  timeout=timeout, wire_protection=wp))
+                                                  timeout=timeout, wire_protection=wp,
+                                                  unreached=unreached))
         how = "this node's copy, the most recent"
     else:
         source = cfg.spec(next(n for n in cfg.nodes if n.name == chosen.node))
         done = trio.run(lambda: promote_pool(cfg.pool_path, source, tok, force=True, timeout=timeout,
-                                             wire_protection=wp))
+                                             wire_protection=wp, unreached=unreached))
         set_replicas(cfg.pool_path, peers, source, cfg.token_file)
         how = f"{chosen.node}'s copy, the most recent ({done['bytes_copied']} bytes copied)"
     mine = str(cfg.spec(cfg.mine))  # named in the old primary's table; this promote stopped it
-    unreached = ", ".join(r for r in done["unreachable"] if r != mine) or "none"
+    missed = ", ".join(r for r in done["unreachable"] if r != mine) or "none"
     return (f"promoted {how} at epoch {done['epoch']} ({found.describe()}); replicas not reached "
-            f"(fenced when they come back): {unreached}")
+            f"(fenced when they come back): {missed}")
 
 
 def promote(cfg: HaConfig, deadline: float) -> str:
