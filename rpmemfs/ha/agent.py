@@ -81,6 +81,9 @@ def monitor(cfg: HaConfig) -> Ocf:
     if found is not None:
         h, why = found
         if h in (Health.HEALTHY, Health.DEGRADED):
+            # The primary's copy is as good as any: without its score kept up, a replica's
+            # higher one would make Pacemaker move the promoted role for nothing.
+            _set_score(cfg)
             return Ocf.RUNNING_PROMOTED
         print(f"rpmemfs agent: {cfg.directory}: {why}", file=sys.stderr)
         return Ocf.FAILED_PROMOTED if h is Health.FAILING else Ocf.ERR_GENERIC
@@ -153,6 +156,7 @@ def _run(action: str, env: Mapping[str, str]) -> Ocf:
                        "Pacemaker recovers it (demote, stop, start)")
     check_installed(cfg)
     print(f"rpmemfs agent: {promote(cfg, deadline)}", file=sys.stderr)
+    _set_score(cfg)
     return Ocf.SUCCESS
 
 

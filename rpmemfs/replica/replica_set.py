@@ -109,6 +109,7 @@ class ReplicaSet(Barriers):
         progress: Callable[[int], None] | None = None,
         holder: Mapping[str, Any] | None = None,
         takeover: bool = False,
+        unreachable: Mapping[str, str] | None = None,
     ) -> ReplicaSet:
         """Connect to every replica in parallel, check each against the local pool, and bring
         those that miss something up to date (from the sync map, or by comparing checksums).
@@ -116,6 +117,9 @@ class ReplicaSet(Barriers):
         A replica that cannot be reached, or whose pool is not this pool's replica, is left
         "stale" with the reason in ``last_error``; nothing is raised, so the caller decides
         by its policy (``min_replicas``) whether to go on, and :meth:`keep` retries it.
+        ``unreachable`` ("ADDR/NAME": why) are replicas that just did not answer the caller:
+        they start stale, without a second wait on an address that answers nothing (a dead
+        node's costs a whole ``timeout``), and :meth:`keep` tries them as it tries any.
         """
         if lanes < 1:
             raise ValueError(f"lanes={lanes}: a replica needs at least one lane")
@@ -141,6 +145,10 @@ class ReplicaSet(Barriers):
         self._connect = connect
         async with trio.open_nursery() as nursery:
             for replica in replicas:
+                if unreachable and (why := unreachable.get(str(replica.spec))):
+                    replica.fail(why)
+                    replica.note(why)
+                    continue
                 nursery.start_soon(self._bring_up, replica)
         opening[0] = False
         return self
