@@ -1,6 +1,7 @@
 """Comparing a pool with a replica by chunk checksums: only checksums cross the wire.
 
-Each target computes CRC-32C of consecutive chunks of its own copy (a control request; the
+Each target computes a checksum (rpmemfs/chunksum.py: CRC-32, not the CRC-32C the pool's
+structures carry) of consecutive chunks of its own copy (a control request; the
 software form of the RDMA Verify operation the seeds describe) while the same is computed
 here over the local pool, and the lists are compared (``differing_chunks``). A mounted pool's
 verify and repair (live_verify.py) and resync (resync.py) compare this way, and so do the
@@ -21,7 +22,7 @@ from typing import Any
 
 import trio
 
-from rpmemfs.native import crc32c
+from rpmemfs.chunksum import chunk_sums
 from rpmemfs.pool.header import read_header
 from rpmemfs.pool.layout import Header, PoolFormatError
 from rpmemfs.transport.base import DEFAULT_TIMEOUT, RemoteRegion, Session
@@ -110,10 +111,6 @@ def report_from_dict(doc: dict[str, Any]) -> VerifyReport:
     return report
 
 
-def local_crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
-    return [crc32c(buf[p : min(p + chunk, offset + length)]) for p in range(offset, offset + length, chunk)]
-
-
 async def differing_chunks(
     session: Session, region: RemoteRegion, buf: memoryview, spans: list[tuple[int, int]], chunk: int,
     progress: Callable[[int], None], timeout: float = DEFAULT_TIMEOUT,
@@ -128,7 +125,7 @@ async def differing_chunks(
             length = min(step, end - off)
             with trio.fail_after(timeout):
                 theirs = await session.checksum(region, off, length, chunk)
-            ours = await trio.to_thread.run_sync(local_crcs, buf, off, length, chunk)
+            ours = await trio.to_thread.run_sync(chunk_sums, buf, off, length, chunk)
             for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
                 if a != b:
                     start = off + i * chunk

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from rpmemfs.native import crc32c
+from rpmemfs.chunksum import chunk_sums
 from rpmemfs.pool.header import find_header
 from rpmemfs.pool.layout import BLOCK, show_epoch
 from rpmemfs.poolname import PoolNameError, check_name
@@ -43,12 +43,6 @@ MAX_CHUNKS = 4096
 
 
 Handler = Callable[[TargetSession, Request], Awaitable[dict[str, Any]]]
-
-
-def _crcs(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
-    return [
-        crc32c(buf[pos : min(pos + chunk, offset + length)]) for pos in range(offset, offset + length, chunk)
-    ]
 
 
 class ControlService:
@@ -302,7 +296,7 @@ class ControlService:
         pool = region.pool
         pool.acquire()
         try:
-            crcs = await trio.to_thread.run_sync(_crcs, pool.buf, offset, length, chunk)
+            crcs = await trio.to_thread.run_sync(chunk_sums, pool.buf, offset, length, chunk)
         finally:
             pool.release()
         return {"ok": True, "crcs": crcs}

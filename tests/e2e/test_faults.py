@@ -158,6 +158,31 @@ def test_a_target_stopped_past_the_timeout_costs_one_timeout_not_a_hung_fsync(
         assert pool_content(replica_file(t)) == local, t.address
 
 
+def test_a_mount_waits_once_for_a_replica_that_answers_nothing(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """A stopped target (a dead node's address is the same: nothing answers) is asked who owns
+    its pool, and not waited for a second time to connect: the mount goes on without it, and
+    the background retry brings it in once it answers (what an automatic failover's new
+    primary, docs/ha.md, needs of a mount while the old primary's node is dead)."""
+    pool = work_dir / "app.pool"
+    _mkfs(pool, targets)
+    assert targets[1].proc is not None
+    stop_process(targets[1].proc.pid)
+    m = mount_pool(pool, options="pmem=force,min_replicas=1,replica_timeout=1")
+    doc = status_json(m.path)
+    assert [r["state"] for r in doc["replicas"]] == ["in-sync", "stale"], doc
+    why = doc["replicas"][1]["last_error"]
+    # The probe's words ("who owns it"), not a connection's ("cannot open"): connecting was
+    # not tried again at mount.
+    assert "no answer within 1s" in why or "cannot ask who owns it" in why, why
+    assert "cannot open" not in why, why
+    write_fsync(m.path / "a", b"a" * 10000)
+    os.kill(targets[1].proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: _states(m.path) == ["in-sync", "in-sync"], timeout=40), status_json(m.path)
+    m.unmount()
+    assert pool_content(replica_file(targets[1])) == pool_content(pool)
+
+
 def _epoch(path: Path) -> str:
     from rpmemfs.pool.layout import Header, show_epoch
 

@@ -30,7 +30,7 @@ from typing import Any, Self
 
 import trio
 
-from rpmemfs.native import crc32c
+from rpmemfs.chunksum import chunk_sums
 from rpmemfs.pool.header import find_header
 from rpmemfs.target.owners import Owner, refusal
 from rpmemfs.transport.base import (
@@ -335,8 +335,7 @@ class MemSession:
         self.target.ops.append(("checksum", region.name, offset, length))
         await self.target.answer(self, trio.current_time() + self.timeout)
         pool = self.target.pools[region.name]
-        end = offset + length
-        return [crc32c(pool[p: min(p + chunk, end)]) for p in range(offset, end, chunk)]
+        return chunk_sums(memoryview(pool), offset, length, chunk)
 
     async def stats(self, name: str | None = None) -> dict[str, Any]:
         return {"flushes": self.target.flushes()}

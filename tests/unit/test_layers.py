@@ -179,7 +179,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("pool format", {"pool"}),
     ("small shared", {"", "errors", "units", "ranges", "logs", "progress", "mountinfo", "native", "printable",
                       "safeopen", "holders", "devdax", "latency", "sdnotify", "cliparse", "poolname",
-                      "changeset"}),
+                      "changeset", "chunksum"}),
 ]
 RANK = {f"rpmemfs.{p}".rstrip("."): i for i, (_, parts) in enumerate(LAYERS) for p in parts}
 
