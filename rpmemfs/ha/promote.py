@@ -31,7 +31,7 @@ from rpmemfs.ha import primary, target_daemon
 from rpmemfs.ha.config import HaConfig
 from rpmemfs.ha.election import choose
 from rpmemfs.ha.ocf import Ocf, OcfError
-from rpmemfs.ha.survey import survey
+from rpmemfs.ha.survey import partition_members, survey
 from rpmemfs.mountd.errors import ProvisionError
 from rpmemfs.mountd.provision import create_pool
 from rpmemfs.transport.tokens import TokenError, chosen_token
@@ -48,7 +48,7 @@ def token(cfg: HaConfig) -> bytes:
 
 def _take_copy(cfg: HaConfig, tok: bytes) -> str:
     """Steps 2-4; what was done, in words."""
-    found = trio.run(survey, cfg, tok)
+    found = trio.run(survey, cfg, tok, partition_members())
     chosen = choose(found, len(cfg.nodes), cfg.majority)
     peers = [cfg.spec(n) for n in cfg.others]
     # A node the survey did not reach is not waited for again (a dead node's address

@@ -10,6 +10,7 @@ anything: a promote that stops here must not have fenced anyone.
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass, field
 
 import trio
@@ -116,11 +117,29 @@ async def _remote_copy(cfg: HaConfig, node: Node, token: bytes | None, survey: S
         survey.unusable[node.name] = str(e)
 
 
-async def survey(cfg: HaConfig, token: bytes | None) -> Survey:
-    """Every node's copy: this one's from its file, the others' from their targets."""
+def partition_members() -> set[str] | None:
+    """The nodes in this node's cluster partition (`crm_node -p`), or None when there is no
+    cluster to ask (a manual run, ocf-tester)."""
+    try:
+        done = subprocess.run(["crm_node", "-p"], capture_output=True, text=True, timeout=5,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = set(done.stdout.split())
+    return names if done.returncode == 0 and names and not done.stderr.strip() else None
+
+
+async def survey(cfg: HaConfig, token: bytes | None, members: set[str] | None = None) -> Survey:
+    """Every node's copy: this one's from its file, the others' from their targets. A node
+    outside ``members`` (the cluster partition: Pacemaker lost it, and has fenced it) is not
+    asked: its address answers nothing, and each wait would be a whole probe_timeout. This
+    costs no safety: the majority rule counts only the copies reached."""
     found = Survey()
     local_copy(cfg, found)
     async with trio.open_nursery() as nursery:
         for node in cfg.others:
+            if members is not None and node.name not in members:
+                found.unreached[node.name] = "not in this node's cluster partition"
+                continue
             nursery.start_soon(_remote_copy, cfg, node, token, found)
     return found

@@ -10,12 +10,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import trio
 
 from rpmemfs.ha import agent
 from rpmemfs.ha.config import load, parse_nodes
 from rpmemfs.ha.election import choose
 from rpmemfs.ha.ocf import PARAMS, Ocf, OcfError, metadata
 from rpmemfs.ha.survey import Copy, Survey
+from rpmemfs.ha.survey import survey as survey_copies
 from rpmemfs.pool.position import Position
 
 WRAPPER = Path(__file__).resolve().parents[2] / "mount" / "ocf" / "rpmemfs"
@@ -167,3 +169,11 @@ def test_actions_that_need_no_daemon(capsys: pytest.CaptureFixture[str], tmp_pat
     here = env(directory=str(tmp_path / "mnt"), pool_dir=str(tmp_path / "pools"),
                OCF_RESOURCE_INSTANCE="app-clone:0")
     assert agent.main("monitor", {**here, "HA_STATE_DIR": str(tmp_path)}) == Ocf.NOT_RUNNING
+
+
+def test_nodes_outside_the_partition_are_not_asked(tmp_path: Path) -> None:
+    cfg = load(env(pool_dir=str(tmp_path)))
+    found = trio.run(survey_copies, cfg, None, {"n1"})
+    assert found.unreached == {"n2": "not in this node's cluster partition",
+                               "n3": "not in this node's cluster partition"}
+    assert found.reached == ["n1"] and "does not exist" in found.unusable["n1"]
