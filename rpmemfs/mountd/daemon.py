@@ -34,6 +34,15 @@ from rpmemfs.transport.tokens import TokenError, chosen_token
 log = logging.getLogger("rpmemfs.mount")
 
 
+
+def _connection_aborted(exc: BaseException) -> bool:
+    """Whether ``exc`` is the kernel's ECONNABORTED on /dev/fuse, alone or from every worker
+    that was reading the device (a group: under load two of them get it at once, and the
+    group once failed a clean unmount as exit 1)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_connection_aborted(e) for e in exc.exceptions)
+    return isinstance(exc, OSError) and exc.errno == errno.ECONNABORTED
+
 class Mounted:
     """A pool opened and served at a mountpoint."""
 
@@ -294,9 +303,9 @@ class Mounted:
                 stop_metrics = self._serve_metrics()
                 try:
                     await pyfuse3.main()
-                except OSError as e:
+                except BaseException as e:
                     # Once detached, the last close aborts the connection: ECONNABORTED is the end.
-                    if not (ending.detached and e.errno == errno.ECONNABORTED):
+                    if not (ending.detached and _connection_aborted(e)):
                         raise
                 finally:
                     stop_metrics()
