@@ -64,6 +64,12 @@ class Cluster:
         assert code == want, f"{node} {action}: {code}, not {want.name}: {err}"
         return err
 
+    def started(self, primary: str) -> None:
+        """Every node started (serving its copy), then ``primary`` promoted."""
+        for n in self.names:
+            self.ok(n, "start")
+        self.ok(primary, "promote")
+
     def mount_pid(self, node: str) -> int:
         return int(status_json(self.mnt(node))["pid"])
 
@@ -143,9 +149,7 @@ def test_first_promote_makes_the_pool_and_a_failover_loses_nothing_acknowledged(
 
 def test_promote_takes_the_most_recent_copy_and_refuses_without_a_majority(cluster: Cluster) -> None:
     c = cluster
-    for n in c.names:
-        c.ok(n, "start")
-    c.ok("n1", "promote")
+    c.started("n1")
     _records(c.mnt("n1"), 0, 10)
     c.ok("n3", "stop")  # n3 misses what follows; min_replicas=1 lets n1 go on with n2
     _records(c.mnt("n1"), 10, 20)
@@ -169,9 +173,7 @@ def test_promote_takes_the_most_recent_copy_and_refuses_without_a_majority(clust
 
 def test_a_running_old_primary_is_fenced_by_the_promote_and_demotes_to_a_replica(cluster: Cluster) -> None:
     c = cluster
-    for n in c.names:
-        c.ok(n, "start")
-    c.ok("n1", "promote")
+    c.started("n1")
     _records(c.mnt("n1"), 0, 5)
     # Pacemaker promotes n2 while n1 still runs (a partition, before fencing): n1 must never
     # acknowledge again.
@@ -198,9 +200,7 @@ def test_failovers_back_and_forth_with_writes_during_each_rejoin_lose_nothing(cl
     CRC-32C once called such a copy equal while its log area header was a generation behind
     (rpmemfs/chunksum.py), and the third failover here lost the second primary's writes."""
     c = cluster
-    for n in c.names:
-        c.ok(n, "start")
-    c.ok("n1", "promote")
+    c.started("n1")
     # Each mount after a failover checkpoints the log it replays into the other log area,
     # under the next generation: n2's mount into area 1, n1's into area 0 while n2 is down,
     # so that n2's area 0 holds a valid header of an older generation when it rejoins.

@@ -42,6 +42,7 @@ Usage (tests/ha/smoke.py is a complete example)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import grp
 import os
 import pwd
@@ -606,14 +607,9 @@ logging {{
         """Crash node `n`: kill -9 every process in its netns (repeatedly, until none is
         left), then set its link down. Processes started with popen(netns=False) live on."""
         self._node(n)
-        deadline = time.monotonic() + timeout
-        while pids := self._netns_pids(n):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{n}: processes survive kill -9: {pids}")
-            time.sleep(0.02)
+        _, survivors = _kill_all(lambda: self._netns_pids(n), timeout, 0.02)
+        if survivors:
+            raise ClusterError(f"{n}: processes survive kill -9: {survivors}")
         self.partition(n)
         self._reap()
 
@@ -832,31 +828,19 @@ logging {{
                 continue
             with contextlib.suppress(OSError):
                 self._hold_ns(str(NETNS_DIR / name))
-            deadline = time.monotonic() + 10
-            while pids := self._netns_pids(name):
-                killed.update(pids)
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                if time.monotonic() > deadline:
-                    problems.append(f"netns {name}: survivors {pids}")
-                    break
-                time.sleep(0.02)
+            gone, survivors = _kill_all(functools.partial(self._netns_pids, name), 10, 0.02)
+            killed.update(gone)
+            if survivors:
+                problems.append(f"netns {name}: survivors {survivors}")
             r = self._sh(["ip", "netns", "del", name], check=False)
             if r.returncode != 0:
                 problems.append(f"ip netns del {name}: {r.stderr.strip()}")
         # Whatever is still in one of our namespaces (e.g. in a node's mount ns but not its
         # netns, or in a netns that was deleted already).
-        deadline = time.monotonic() + 10
-        while left := self._ns_members():
-            killed.update(left)
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if time.monotonic() > deadline:
-                problems.append(f"processes left in the cluster's namespaces: {left}")
-                break
-            time.sleep(0.05)
+        gone, left = _kill_all(self._ns_members, 10, 0.05)
+        killed.update(gone)
+        if left:
+            problems.append(f"processes left in the cluster's namespaces: {left}")
         procs = [*self._user_procs, *(p for n in self._nodes.values() for p in n.procs)]
         if self._anchor is not None:
             procs.append(self._anchor)
@@ -996,6 +980,22 @@ logging {{
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _kill_all(pids: Callable[[], list[int]], timeout: float, interval: float) -> tuple[set[int], list[int]]:
+    """SIGKILL whatever ``pids()`` lists until it lists nothing or ``timeout`` passes: (every
+    pid killed, those still listed at the end)."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while left := pids():
+        killed.update(left)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            return killed, left
+        time.sleep(interval)
+    return killed, []
 
 
 def _sigterm_to_exit(signum: int, frame: FrameType | None) -> None:
