@@ -266,6 +266,8 @@ def main() -> int:
         print(f"SPLIT BRAIN: {s}")
     print(f"failovers: {rounds}, acked lost: {lost}, max failover seconds: {worst:.2f}")
     ok = rounds == args.rounds and lost == 0 and not run.split_brain and worst <= GOAL_SECONDS
+    if ok:
+        shutil.rmtree(data, ignore_errors=True)  # the copies (192 MiB of memory); kept on a failure
     return 0 if ok else 1
 
 
