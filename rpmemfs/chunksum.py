@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import zlib
 
-ALGORITHM = "crc32"  # named in docs/wire.md's checksum op
-
 
 def chunk_sums(buf: memoryview, offset: int, length: int, chunk: int) -> list[int]:
     """The checksum of each ``chunk`` bytes of ``buf[offset:offset+length]`` (the last may be

@@ -18,8 +18,9 @@ primary can never write the replicas again.
    replica holds (pool/position.py: the log sequence number and time of its last point),
    compared with the most advanced replica reached. The primary is dead, so nothing knows what
    it held beyond that: only what the replicas reached hold can be compared.
-6. Give NEWPOOL the new epoch, the same replica list, and a sync map under that epoch in which
-   the source is in sync and every other replica is compared in full when NEWPOOL is mounted.
+6. Give NEWPOOL the new epoch, the same replica list (or the one the caller gives), and a
+   sync map under that epoch in which the source is in sync and every other replica is
+   compared in full when NEWPOOL is mounted.
 
 A replica that could not be reached is fenced the first time the new primary reaches it: its
 recorded epoch is a generation behind, which a normal claim from the new primary passes and
@@ -59,6 +60,7 @@ from rpmemfs.transport.choose import transport_for
 from rpmemfs.transport.protection import DEFAULT as DEFAULT_PROTECTION
 
 Progress = Callable[[int, int], None]
+Replicas = tuple[list[ReplicaSpec], str | None]  # a replica table and its token file
 
 
 async def _claim(spec: ReplicaSpec, token: bytes | None, epoch: int, who: dict[str, Any],
@@ -111,10 +113,13 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
                        unfinished_resync: bool = False, progress: Progress | None = None,
                        timeout: float = DEFAULT_TIMEOUT,
                        wire_protection: str = DEFAULT_PROTECTION,
-                       unreached: Mapping[str, str] | None = None) -> dict[str, Any]:
+                       unreached: Mapping[str, str] | None = None,
+                       replicas: Replicas | None = None) -> dict[str, Any]:
     """Make ``pool`` the primary of ``source``'s replica set (see the module's text); every
     connection to a target asks for ``wire_protection``. ``unreached`` names replicas (as
-    "ADDR/NAME") the caller just failed to reach, and why: they are not waited for again."""
+    "ADDR/NAME") the caller just failed to reach, and why: they are not waited for again.
+    ``replicas``: the new pool's replica table and token file, when they are not the old
+    primary's (automatic failover: every node but the new primary; ``source`` among them)."""
     t0 = time.monotonic()
     who = holder(os.path.abspath(pool), command="promote")
     wp = wire_protection
@@ -165,7 +170,7 @@ async def promote_pool(pool: str, source: ReplicaSpec, token: bytes | None, *, f
         raise RepairError(f"promote stopped: {exc}") from None
     except trio.TooSlowError:
         raise RepairError(f"promote stopped: a replica did not answer within {timeout:g}s") from None
-    _finish(pool, hdr, epoch, source)
+    _finish(pool, hdr, epoch, source, replicas)
     return {"pool": pool, "from": str(source), "epoch": show_epoch(epoch),
             "replicas": [str(s) for s in specs], "claimed": [str(source), *claimed],
             "unreachable": unreachable, "bytes_copied": copied, "chunks_compared": compared,
@@ -269,10 +274,14 @@ async def _copy_into(pool: str, hdr: Header, session: Session, region: RemoteReg
     return total, compared, before
 
 
-def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec) -> None:
-    """The new epoch in the header, the source in sync in a sync map under that epoch."""
+def _finish(pool: str, hdr: Header, epoch: int, source: ReplicaSpec | None,
+            replicas: Replicas | None = None) -> None:
+    """The new epoch in the header, the replica table ``replicas`` when given, and the source
+    (if any) in sync in a sync map under that epoch, every other replica compared in full."""
     with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
         promoted, _ = write_epoch(mapping.buf, hdr, epoch, mapping.persist)
+        if replicas is not None:
+            mapping.persist(write_table(mapping.buf, replicas[0], replicas[1]))
         mark_others_full(mapping, promoted, source)
         mapping.persist([(0, promoted.pool_size)])
 
@@ -308,22 +317,8 @@ async def takeover_in_place(pool: str, specs: list[ReplicaSpec], token: bytes | 
         raise RepairError(f"promote stopped: {exc}") from None
     except trio.TooSlowError:
         raise RepairError(f"promote stopped: a replica did not answer within {timeout:g}s") from None
-    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
-        write_epoch(mapping.buf, hdr, epoch, mapping.persist)
-    set_replicas(pool, specs, None, token_file)
+    _finish(pool, hdr, epoch, None, (specs, token_file))
     return {"pool": pool, "from": pool, "epoch": show_epoch(epoch), "replicas": [str(s) for s in specs],
             "claimed": claimed, "unreachable": unreachable, "bytes_copied": 0,
             "seconds": round(time.monotonic() - t0, 3)}
 
-
-def set_replicas(pool: str, specs: list[ReplicaSpec], in_sync: ReplicaSpec | None,
-                 token_file: str | None) -> None:
-    """Give an unmounted pool the replica table ``specs`` and a fresh sync map in which
-    ``in_sync`` (one of them, or None) holds all of the pool and every other one is compared in
-    full at the next mount: what a promote does when the new primary's replicas are not the
-    old one's (automatic failover: every node but the new primary)."""
-    with PoolMapping.open(pool, "msync", exclusive=True, opener=safeopen.opener) as mapping:
-        hdr, _ = read_header(mapping.buf)
-        mapping.persist(write_table(mapping.buf, specs, token_file))
-        mark_others_full(mapping, hdr, in_sync)
-        mapping.persist([(0, hdr.pool_size)])

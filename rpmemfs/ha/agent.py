@@ -149,9 +149,10 @@ def _run(action: str, env: Mapping[str, str]) -> Ocf:
         return stop(cfg, deadline)
     if action == "demote":
         return demote(cfg, deadline)
-    if primary.mount_health(cfg) is not None:
-        if monitor(cfg) is Ocf.RUNNING_PROMOTED:
-            return Ocf.SUCCESS
+    now = monitor(cfg)
+    if now is Ocf.RUNNING_PROMOTED:
+        return Ocf.SUCCESS
+    if now in (Ocf.FAILED_PROMOTED, Ocf.ERR_GENERIC):
         raise OcfError(Ocf.ERR_GENERIC, f"{cfg.directory} is mounted but does not serve; "
                        "Pacemaker recovers it (demote, stop, start)")
     check_installed(cfg)

@@ -19,7 +19,7 @@ from rpmemfs.ha.ocf import Ocf, OcfError
 from rpmemfs.mountd import control
 from rpmemfs.mountd.status import Health, health
 from rpmemfs.mountd.unmount import kernel_path
-from rpmemfs.mountinfo import mount_at
+from rpmemfs.mountinfo import MountEntry, mount_at
 
 
 def _rpmemfs(cfg: HaConfig, *args: str, deadline: float) -> subprocess.CompletedProcess[str]:
@@ -31,20 +31,23 @@ def _rpmemfs(cfg: HaConfig, *args: str, deadline: float) -> subprocess.Completed
         raise OcfError(Ocf.ERR_GENERIC, f"`rpmemfs {' '.join(args)}` did not end in time") from None
 
 
-def mounted(cfg: HaConfig) -> bool:
+def _entry(cfg: HaConfig) -> MountEntry | None:
+    """The mount at ``directory``, if any; OcfError when it is another file system's."""
     entry = mount_at(kernel_path(cfg.directory))
     if entry is not None and entry.fstype != "fuse.rpmemfs":
         raise OcfError(Ocf.ERR_GENERIC, f"{cfg.directory} is a {entry.fstype} mount, not this pool's")
-    return entry is not None
+    return entry
+
+
+def mounted(cfg: HaConfig) -> bool:
+    return _entry(cfg) is not None
 
 
 def mount_health(cfg: HaConfig, timeout: float = 10.0) -> tuple[Health, str] | None:
     """The mount's health (mountd/status.py) and why; None when it is not mounted."""
-    entry = mount_at(kernel_path(cfg.directory))
+    entry = _entry(cfg)
     if entry is None:
         return None
-    if entry.fstype != "fuse.rpmemfs":
-        raise OcfError(Ocf.ERR_GENERIC, f"{cfg.directory} is a {entry.fstype} mount, not this pool's")
     try:
         st = control.query(entry.mountpoint, timeout=timeout)
     except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ import time
 import trio
 
 from rpmemfs.admin.errors import RepairError
-from rpmemfs.admin.promote import promote_pool, set_replicas, takeover_in_place
+from rpmemfs.admin.promote import promote_pool, takeover_in_place
 from rpmemfs.ha import primary, target_daemon
 from rpmemfs.ha.config import HaConfig
 from rpmemfs.ha.election import choose
@@ -74,8 +74,8 @@ def _take_copy(cfg: HaConfig, tok: bytes) -> str:
     else:
         source = cfg.spec(next(n for n in cfg.nodes if n.name == chosen.node))
         done = trio.run(lambda: promote_pool(cfg.pool_path, source, tok, force=True, timeout=timeout,
-                                             wire_protection=wp, unreached=unreached))
-        set_replicas(cfg.pool_path, peers, source, cfg.token_file)
+                                             wire_protection=wp, unreached=unreached,
+                                             replicas=(peers, cfg.token_file)))
         how = f"{chosen.node}'s copy, the most recent ({done['bytes_copied']} bytes copied)"
     mine = str(cfg.spec(cfg.mine))  # named in the old primary's table; this promote stopped it
     missed = ", ".join(r for r in done["unreachable"] if r != mine) or "none"

@@ -91,26 +91,23 @@ async def _remote_copy(cfg: HaConfig, node: Node, token: bytes | None, survey: S
         with trio.fail_after(cfg.probe_timeout):
             async with await tp.connect(spec.address, token, lanes=1,
                                         timeout=cfg.probe_timeout) as session:
-                survey.reached.append(node.name)
                 try:
                     probe = read_probe(spec, await session.probe_pool(spec.name))
                 except TransportError as e:
                     if e.lane_lost:
                         raise
+                    survey.reached.append(node.name)  # it answered: it has no such pool
                     survey.unusable[node.name] = e.reason
                     return
                 region = await session.open_pool(spec.name)
                 head = await session.lanes[0].read(region, 0, 2 * BLOCK)
     except trio.TooSlowError:
-        if node.name in survey.reached:
-            survey.reached.remove(node.name)
         survey.unreached[node.name] = f"no answer within {cfg.probe_timeout:g}s"
         return
     except TransportError as e:
-        if node.name in survey.reached:
-            survey.reached.remove(node.name)
         survey.unreached[node.name] = str(e)
         return
+    survey.reached.append(node.name)
     try:
         survey.copies.append(_copy_from(node.name, False, head, region.size, probe.resync))
     except PoolFormatError as e:
