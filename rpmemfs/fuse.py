@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ import pyfuse3
 
 from rpmemfs.callers import ProcCaller
 from rpmemfs.durability import Durability, DurabilityError
+from rpmemfs.durability.grouped import GroupedPoints
 from rpmemfs.fs.errors import FsError
 from rpmemfs.fs.extents import Extents
 from rpmemfs.fs.filesystem import Filesystem, NeedSync
@@ -47,29 +49,39 @@ STATUS_XATTR = b"user.rpmemfs.status"
 # FUSE_HANDLE_KILLPRIV_V2 is not negotiated (kernels before 5.11).
 CAPABILITY_XATTR = b"security.capability"
 TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon anyway
+# After an fsync arrived while a point was in flight, fsyncs are grouped (fsync_now) for this
+# long even when none is in flight: programs fsyncing concurrently come in waves.
+GROUPING_S = 0.05
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+def errno_of(e: BaseException, where: str) -> int:
+    """The errno a FUSE request gets for ``e``; anything unexpected is EIO, logged."""
+    if isinstance(e, FsError):
+        return e.errno or errno.EIO
+    if isinstance(e, DurabilityError):
+        # A durability point that could not complete: what a failing disk answers.
+        return errno.EIO
+    if isinstance(e, pyfuse3.FUSEError):
+        return int(e.errno)
+    log.error("internal error in %s", where, exc_info=e)
+    return errno.EIO
+
+
 def errors(fn: F) -> F:
-    """Turn filesystem errors into FUSE replies; anything unexpected becomes EIO, logged.
-    Every request through here also restarts the daemon's polling budget."""
+    """Turn filesystem errors into FUSE replies (errno_of). Every request through here also
+    restarts the daemon's polling budget."""
 
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         args[0].poller.kick()
         try:
             return await fn(*args, **kwargs)
-        except FsError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except DurabilityError:
-            # A durability point that could not complete: what a failing disk answers.
-            raise pyfuse3.FUSEError(errno.EIO) from None
         except pyfuse3.FUSEError:
             raise
-        except Exception:
-            log.exception("internal error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as e:
+            raise pyfuse3.FUSEError(errno_of(e, fn.__name__)) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -91,10 +103,16 @@ class Operations(pyfuse3.Operations):
     def __init__(self, fs: Filesystem, durability: Durability, describe: Callable[[], dict[str, Any]],
                  xattrs: bool = True, poll_us: int = 0, writeback_cache: bool = False) -> None:
         super().__init__()
+        self.poller = RequestPoller(poll_us)
         self.fs = fs
         self._point = durability.point
+        self._point_now = durability.point_now
+        self._in_flight = durability.in_flight
+        self._grouping_until = 0.0  # time.perf_counter(): fsyncs came during points until then
+        # fsyncs that wait for replicas are answered by this group commit (fsync_now).
+        self.fsyncs: GroupedPoints[pyfuse3.Later] = GroupedPoints(durability, self._answer_fsync,
+                                                                  self.poller.held)
         self.enable_writeback_cache = writeback_cache
-        self.poller = RequestPoller(poll_us)
         # Without xattrs, ENOSYS makes the kernel stop asking for security.capability
         # at all; with them, the binding answers that question itself when it comes.
         self.xattrs = xattrs
@@ -115,6 +133,8 @@ class Operations(pyfuse3.Operations):
             "poll_passes": self.poller.polls,
             "poll_yielded": self.poller.yielded,
             "getxattr_calls": self.getxattr_calls,
+            # fsyncs answered by a group's point (durability/grouped.py), and those points
+            "fsync_grouped": {"fsyncs": self.fsyncs.asked, "points": self.fsyncs.groups},
             # Whether the kernel took FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before writes).
             "handle_killpriv_v2": pyfuse3.handle_killpriv_v2(),
         }
@@ -266,6 +286,18 @@ class Operations(pyfuse3.Operations):
             await self.durable()
             return self.fs.write(fh, off, buf)
 
+    def write_now(self, fh: int, off: int, buf: bytes) -> int | None:
+        """write() answered by the binding without a coroutine (the patched pyfuse3 calls it
+        first, for writes that clear no setuid/setgid); None: it must wait for a point, and
+        write() does it."""
+        self.poller.kick()
+        try:
+            return self.fs.write(fh, off, buf)
+        except NeedSync:
+            return None
+        except Exception as e:
+            raise pyfuse3.FUSEError(errno_of(e, "write")) from None
+
     async def _retry(self, call: Callable[[], Inode]) -> Inode:
         try:
             return call()
@@ -313,6 +345,34 @@ class Operations(pyfuse3.Operations):
     @errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.durable()
+
+    def fsync_now(self, fh: int, datasync: bool, later: pyfuse3.Later) -> Any:
+        """fsync() answered by the binding without a coroutine: 0 when the point is done
+        already (no replicas; async replication with room), None when ``later`` is answered
+        once its group's point ended (durability/grouped.py), NotImplemented when fsync()
+        serves it after all. A point that fails gives EIO, as a failing disk would."""
+        try:
+            if self._point_now():
+                self.poller.kick()
+                return 0
+        except Exception as e:
+            self.poller.kick()
+            return errno_of(e, "fsync")
+        now = time.perf_counter()
+        if self._in_flight():
+            self._grouping_until = now + GROUPING_S
+        elif now >= self._grouping_until:
+            # One program alone: no fsync came while a point was in flight lately, so there is
+            # nothing to group with. The coroutine (fsync()) posts its point at once, in this
+            # request's task, where the hand-over to the group's task would only add to it.
+            return NotImplemented
+        self.fsyncs.ask(later)
+        return None
+
+    @staticmethod
+    def _answer_fsync(later: pyfuse3.Later, error: BaseException | None) -> None:
+        # Whatever failed the point was logged where it failed; to the caller it is EIO.
+        pyfuse3.reply_later(later, 0 if error is None else errno.EIO)
 
     # ---------------------------------------------------------------- directories
 

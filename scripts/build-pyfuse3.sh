@@ -2,7 +2,8 @@
 # Builds pyfuse3 from its sdist with patches/pyfuse3-$VERSION.patch applied (the operations
 # libfuse has and pyfuse3 does not expose: fallocate, lseek, copy_file_range; the DONT_MASK
 # capability; FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14 cannot negotiate, through a custom
-# I/O hook; reading /dev/fuse before waiting on it; docs/pyfuse3.md says what of it is proposed
+# I/O hook; reading /dev/fuse before waiting on it; writes and fsyncs answered without a
+# coroutine, or later by another task; docs/pyfuse3.md says what of it is proposed
 # upstream), and installs it into the given Python's environment. Skips the build when that
 # environment already has this exact patch (its hash is stamped beside pyfuse3), and when a
 # wheel of it was built before on this machine (kept under ~/.cache/rpmemfs).

@@ -6,7 +6,8 @@ at it) and, when the pool has replicas, posts them to every in-sync replica and 
 acknowledgements the policy requires. Points are pipelined and end in log order; the ranges of
 a point that failed are sent again with the next one. `point.py` holds all of it;
 `backlog.py` is asynchronous replication's queue and its senders (`-o replication=async`);
-`commit.py` runs points periodically for changes nobody fsynced (`-o commit=SECONDS`).
+`commit.py` runs points periodically for changes nobody fsynced (`-o commit=SECONDS`);
+`grouped.py` runs one point for a group of callers answered later (the FUSE fsyncs).
 """
 
 from rpmemfs.changeset import Changes, ChangeSource, Persister

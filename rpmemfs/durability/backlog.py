@@ -255,6 +255,11 @@ class Backlog:
         else:
             durable()
 
+    def has_room(self) -> bool:
+        """Whether wait_room() would return at once."""
+        lag = self.required_lag()
+        return lag is not None and lag <= self.max_lag
+
     async def wait_room(self) -> None:
         """Wait while the replicas the policy requires lag by more than ``max_lag`` bytes;
         ReplicaError when fewer than ``min_replicas`` are left to wait for."""

@@ -120,11 +120,12 @@ class Durability:
         self.stats = Stats()
         self.backlog = backlog  # asynchronous replication, else None
 
-    async def point(self, *, background: bool = False) -> None:
+    async def point(self, *, background: bool = False, timed: bool = True) -> None:
         """A durability point: DurabilityError when the policy's replicas did not all get it.
 
         ``background``: a periodic commit's (commit.py), neither counted as an fsync nor logged
-        when it fails (its caller logs a failing episode once)."""
+        when it fails (its caller logs a failing episode once). ``timed`` False: counted by the
+        caller (grouped.py counts each fsync of a group)."""
         t0 = time.perf_counter_ns()
         if self._replicas is None:
             self.sync_local()
@@ -132,8 +133,39 @@ class Durability:
             await self._queued_point(self._replicas, self.backlog, report=not background)
         else:
             await self._replicated_point(self._replicas, report=not background)
-        if not background:
+        if timed and not background:
             self.stats.add(time.perf_counter_ns() - t0)
+
+    def point_now(self) -> bool:
+        """True: a point done before this returned, as :meth:`point` would have; that is
+        without replicas, and in async mode while the barrier lock is free and the replicas
+        lag by at most max_lag after it. False: the caller must still run :meth:`point` (in
+        async mode this one may have been queued already; the next finds nothing new and
+        waits for room). DurabilityError as from point()."""
+        rs, backlog = self._replicas, self.backlog
+        if rs is None:
+            t0 = time.perf_counter_ns()
+            self.sync_local()
+            self.stats.add(time.perf_counter_ns() - t0)
+            return True
+        if backlog is None or rs.lock.locked():
+            return False
+        t0 = time.perf_counter_ns()
+        self._queue(rs, backlog, report=True)
+        if not backlog.has_room():
+            return False
+        self.stats.add(time.perf_counter_ns() - t0)
+        return True
+
+    def in_flight(self) -> bool:
+        """Whether a replicated point is under way (sync mode): one asked for now would wait
+        for it, or post behind it."""
+        return not self._last.done.is_set()
+
+    def quick(self) -> bool:
+        """Whether replicated points come back quickly enough for a point to wait for the one
+        in flight rather than post behind it (barriers.py QUICK_S)."""
+        return self._replicas is None or self._replicas.quick()
 
     async def flush(self, *, background: bool = False) -> None:
         """A point, and (in async mode) until the replicas hold everything taken so far: what
@@ -220,25 +252,7 @@ class Durability:
 
     async def _queued_point(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
         async with _held(rs.lock):
-            changes = self._persist_locally()
-            ranges = self._for_replicas(changes)
-            # Durable to the filesystem once the point's batch is closed to later points, so
-            # that what it frees is reused only in a later barrier (backlog.py says why).
-            durable = partial(self._source.mark_durable, changes.seq, changes.tail)
-            if ranges:
-                if changes.stamp is None:  # a point without a log record is stamped here
-                    ranges.append(self._stamp(rs.local_buf, changes.seq))
-                try:
-                    backlog.take(ranges, durable)
-                except ReplicaError as e:
-                    # As in sync mode: nothing went out, the next point carries the ranges.
-                    self._carry[:0] = ranges
-                    self.note_replicas()
-                    if report:
-                        log.error("replication barrier failed: %s", e)
-                    raise DurabilityError(str(e)) from None
-            else:
-                backlog.after_queued(durable)
+            self._queue(rs, backlog, report)
         try:
             await backlog.wait_room()
         except ReplicaError as e:
@@ -246,6 +260,28 @@ class Durability:
             if report:
                 log.error("replication barrier failed: %s", e)
             raise DurabilityError(str(e)) from None
+
+    def _queue(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
+        """An asynchronous point's work under the barrier lock: persist, copy into the backlog."""
+        changes = self._persist_locally()
+        ranges = self._for_replicas(changes)
+        # Durable to the filesystem once the point's batch is closed to later points, so
+        # that what it frees is reused only in a later barrier (backlog.py says why).
+        durable = partial(self._source.mark_durable, changes.seq, changes.tail)
+        if ranges:
+            if changes.stamp is None:  # a point without a log record is stamped here
+                ranges.append(self._stamp(rs.local_buf, changes.seq))
+            try:
+                backlog.take(ranges, durable)
+            except ReplicaError as e:
+                # As in sync mode: nothing went out, the next point carries the ranges.
+                self._carry[:0] = ranges
+                self.note_replicas()
+                if report:
+                    log.error("replication barrier failed: %s", e)
+                raise DurabilityError(str(e)) from None
+        else:
+            backlog.after_queued(durable)
 
     def _stamp(self, buf: memoryview, seq: int) -> tuple[int, int]:
         """Stamp the point's place in the history last in its batch (pool/position.py): a

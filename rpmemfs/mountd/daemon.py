@@ -294,6 +294,7 @@ class Mounted:
                 nursery.start_soon(ending.signals, pyfuse3.terminate, self.reload_token)
                 nursery.start_soon(ending.watch, pyfuse3.terminate, self.ops.handles_open)
                 nursery.start_soon(self.ops.poller.run)
+                nursery.start_soon(self.ops.fsyncs.run)
                 if la.replicas is not None:
                     nursery.start_soon(la.replicas.keep, la.durability.note_replicas)
                 if self.mo.commit:
@@ -309,6 +310,8 @@ class Mounted:
                         raise
                 finally:
                     stop_metrics()
+                # fsyncs answered later were not waited for by pyfuse3's tasks: they are now.
+                await self.ops.fsyncs.answered()
                 nursery.cancel_scope.cancel()
             await self._last_barrier()
 

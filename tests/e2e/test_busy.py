@@ -10,13 +10,14 @@ let the other tasks run would pass here too; on many cores it would not.)
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 from pathlib import Path
 
 from conftest import MakePool, Mount, MountPool
-from helpers import cli, mkfs_replicated
+from helpers import cli, mkfs_replicated, status_json
 
 from rpmemfs.tools.processes import TargetProcess
 
@@ -92,5 +93,74 @@ def test_barriers_complete_while_writers_keep_the_daemon_busy(
     m = mount_pool(pool, options="pmem=force")
     answers = _run_busy(m)
     assert all(a["health"] == "healthy" for a in answers), answers[-1]
+    # Writers fsyncing at once share points (durability/grouped.py): far fewer barriers than
+    # fsyncs, every fsync counted.
+    last = answers[-1]
+    grouped, fsyncs = last["fsync_grouped"], last["fsync_count"]
+    assert 0 < grouped["points"] < grouped["fsyncs"] <= fsyncs, (grouped, fsyncs)
+    assert all(r["barriers"] < fsyncs / 2 for r in last["replicas"]), last["replicas"]
     res = cli("verify", m.path)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _until_eio(path: Path, seconds: float) -> tuple[int, int]:
+    """4 KiB pwrite + fsync of a counter until an fsync fails or ``seconds`` pass:
+    (the last acknowledged, the errno that ended it or 0)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    n = 0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            os.pwrite(fd, (n + 1).to_bytes(8, "little") * (BLOCK // 8), ((n + 1) % 16) * BLOCK)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                return n, e.errno or 0
+            n += 1
+        return n, 0
+    finally:
+        os.close(fd)
+
+
+def test_a_replica_killed_under_busy_writers_fails_their_fsyncs_with_eio_and_none_hangs(
+        work_dir: Path, targets: list[TargetProcess], mount_pool: MountPool) -> None:
+    """The fsyncs waiting in a group when its point fails all get EIO (min_replicas: all), at
+    once after the kill or within replica_timeout; none waits for ever, and what each writer
+    had acknowledged is in its file."""
+    pool = work_dir / "busy.pool"
+    mkfs_replicated(pool, targets)
+    m = mount_pool(pool, options="pmem=force,replica_timeout=2")
+    pids: list[int] = []
+    out_r, out_w = os.pipe()
+    for i in range(WRITERS):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(out_r)
+                n, err = _until_eio(m.path / f"w{i}", 30.0)
+                os.write(out_w, f"{i} {n} {err}\n".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(out_w)
+    time.sleep(1.5)
+    killed = time.monotonic()
+    targets[1].kill()
+    with os.fdopen(out_r) as f:
+        lines = f.read().split("\n")
+    ended = time.monotonic() - killed
+    codes = [os.waitpid(pid, 0)[1] for pid in pids]
+    assert not any(codes), codes
+    results = {int(a): (int(n), int(e)) for a, n, e in (line.split() for line in lines if line)}
+    assert len(results) == WRITERS, results
+    # Every writer stopped on EIO, long before the 30 s it would have written.
+    assert all(e == errno.EIO for _, e in results.values()), results
+    assert ended < 15, ended
+    assert status_json(m.path)["fsync_grouped"]["points"] > 0
+    for i, (n, _) in results.items():
+        assert n > 0, (i, results)
+        with open(m.path / f"w{i}", "rb") as f:
+            f.seek((n % 16) * BLOCK)
+            assert f.read(BLOCK) == n.to_bytes(8, "little") * (BLOCK // 8), i
