@@ -172,7 +172,7 @@ async def _connect(layers: Layers, mountpoint: str, mo: MountOptions) -> None:
                                timeout=mo.replica_timeout, min_replicas=layers.min_replicas,
                                syncmap=layers.syncmap, wire_protection=wp, epoch=claim.epochs,
                                holder=holder(layers.pool, mountpoint), takeover=claim.takeover,
-                               unreachable=_no_answer(claim))
+                               unreachable=unanswered(claim))
     usable = len(rs.in_sync)
     if usable < layers.min_replicas:
         why = "; ".join(f"{r['address']}/{r['name']}: {r['last_error']}"
@@ -198,12 +198,11 @@ async def _connect(layers: Layers, mountpoint: str, mo: MountOptions) -> None:
                                    layers.set_min_replicas, mo.min_replicas is None, wp)
 
 
-def _no_answer(claim: Claim) -> dict[str, str]:
+def unanswered(claim: Claim) -> dict[str, str]:
     """The replicas that did not answer who owns them: the set does not wait for them a second
     time (a dead node's address answers nothing, and each wait is a whole replica_timeout);
     they are retried in the background, as any replica left out is."""
-    silent = ("no answer within", "timed out after")
-    return {str(p.spec): p.error for p in claim.probes if p.error and any(w in p.error for w in silent)}
+    return {str(p.spec): p.error for p in claim.probes if p.timed_out and p.error}
 
 
 def _may_claim(layers: Layers, claim: Claim) -> bool:

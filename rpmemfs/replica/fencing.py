@@ -49,6 +49,7 @@ class Probe:
     # Set when a resync of it began and did not end (see target/owners.py): says by whom, when.
     resync: str | None = None
     error: str | None = None
+    timed_out: bool = False  # it answered nothing within the deadline (error says so too)
 
     def newer_than(self, prev: int) -> bool:
         """True when another initiator claimed this replica since this pool's epoch ``prev``."""
@@ -105,9 +106,9 @@ async def probe_one(spec: ReplicaSpec, token: bytes | None, timeout: float,
             async with await tp.connect(spec.address, token, lanes=0, timeout=timeout) as session:
                 return read_probe(spec, await session.probe_pool(spec.name))
     except TransportError as exc:
-        return Probe(spec, error=f"replica {spec}: cannot ask who owns it: {exc}")
+        return Probe(spec, error=f"replica {spec}: cannot ask who owns it: {exc}", timed_out=exc.timed_out)
     except trio.TooSlowError:
-        return Probe(spec, error=f"replica {spec}: no answer within {timeout:g}s")
+        return Probe(spec, error=f"replica {spec}: no answer within {timeout:g}s", timed_out=True)
 
 
 async def probe_replicas(specs: list[ReplicaSpec], token: bytes | None, timeout: float,

@@ -38,15 +38,18 @@ class TransportError(RpmemfsError):
 
     ``lane_lost`` is True when the connection it happened on is gone (the target closed it
     after a violation, the peer vanished, or a deadline passed mid-operation); otherwise the
-    error was a clean reply and the session and lane go on working.
+    error was a clean reply and the session and lane go on working. ``timed_out``: the peer
+    answered nothing within the deadline (a dead node's address does that; a refusal does not).
     """
 
-    def __init__(self, peer: str, reason: str, *, code: int | None = None, lane_lost: bool = False) -> None:
+    def __init__(self, peer: str, reason: str, *, code: int | None = None, lane_lost: bool = False,
+                 timed_out: bool = False) -> None:
         super().__init__(f"{peer}: {reason}" if peer else reason)
         self.peer = peer
         self.reason = reason
         self.code = code
         self.lane_lost = lane_lost
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class Connection:
         self._next_id = 0
         self._lost: str | None = None
         self._lost_code: int | None = None
+        self._lost_timed_out = False
         # For rpm_take_reply: the staging buffer as C sees it (renewed if the reader swaps
         # it), and its window in and out of the call.
         self._native_buf: tuple[bytearray, Any] | None = None
@@ -121,16 +122,18 @@ class Connection:
 
     def check(self) -> None:
         if self._lost is not None:
-            raise TransportError(self.peer, self._lost, code=self._lost_code, lane_lost=True)
+            raise TransportError(self.peer, self._lost, code=self._lost_code, lane_lost=True,
+                                 timed_out=self._lost_timed_out)
 
-    def lose(self, reason: str, code: int | None = None) -> None:
+    def lose(self, reason: str, code: int | None = None, timed_out: bool = False) -> None:
         if self._lost is None:
             self._lost = reason
             self._lost_code = code
+            self._lost_timed_out = timed_out
         self.io.close()
 
-    def _fail(self, reason: str, code: int | None = None) -> NoReturn:
-        self.lose(reason, code)
+    def _fail(self, reason: str, code: int | None = None, timed_out: bool = False) -> NoReturn:
+        self.lose(reason, code, timed_out)
         self.check()
         raise AssertionError("unreachable")
 
@@ -138,7 +141,7 @@ class Connection:
         """``exc`` interrupted ``step``: the connection is lost (TransportError), or for a
         cancellation lost and the cancellation goes on."""
         if isinstance(exc, trio.TooSlowError):
-            self._fail(f"timed out after {self.timeout:g}s {step.waiting}")
+            self._fail(f"timed out after {self.timeout:g}s {step.waiting}", timed_out=True)
         if isinstance(exc, trio.Cancelled):
             if step.cancelled is not None:
                 self.lose(step.cancelled)
@@ -440,7 +443,8 @@ async def open_connection(
         with trio.fail_after(timeout):
             sock = await connect_socket(host, port)
     except trio.TooSlowError:
-        raise TransportError(peer, f"timed out after {timeout:g}s connecting", lane_lost=True) from None
+        raise TransportError(peer, f"timed out after {timeout:g}s connecting", lane_lost=True,
+                             timed_out=True) from None
     except OSError as exc:
         raise TransportError(peer, f"cannot connect: {exc.strerror or exc}", lane_lost=True) from None
     try:

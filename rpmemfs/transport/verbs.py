@@ -638,7 +638,7 @@ class VerbsSession(SessionControl):
                                              "(no such session, or it does not serve verbs)")
                     raise TransportError(self.peer, f"{what}: expected {rdma.CM_NAMES[kind]}, got {ev.name}")
                 return ev
-        raise TransportError(self.peer, f"{what}: no answer within {self.timeout:g}s")
+        raise TransportError(self.peer, f"{what}: no answer within {self.timeout:g}s", timed_out=True)
 
     async def open_lane(self) -> VerbsLane:
         events = rdma.EventChannel()

@@ -12,11 +12,13 @@ import trio.testing
 from mempool import new_pool
 from memtransport import MemTarget, MemTransport
 
+from rpmemfs.mountd.assemble import unanswered
 from rpmemfs.pool.layout import epoch_gen, next_epoch, show_epoch
 from rpmemfs.replica import ReplicaSet, ReplicaSpec
-from rpmemfs.replica.fencing import Claim, ask_owners, probe_replicas
+from rpmemfs.replica.fencing import Claim, Probe, ask_owners, probe_one, probe_replicas
 from rpmemfs.target.owners import Owner, OwnerBook, refusal
 from rpmemfs.target.pooldir import PoolDir
+from rpmemfs.transport.base import TransportError
 
 G1 = next_epoch(0, 0x1111)
 G2A = next_epoch(G1, 0xAAAA)
@@ -220,3 +222,33 @@ def test_the_owner_record_keeps_a_resync_mark(tmp_path: Path) -> None:
     (tmp_path / ".app.owner").write_text(json.dumps({"epoch": G2A, "resync": "garbage"}))
     unreadable = OwnerBook(PoolDir(str(tmp_path))).get("app")
     assert unreadable is not None and unreadable.resync is not None  # still marked: it was set
+
+
+class _Unanswering:
+    """A transport whose connect fails as told: "silent" answers nothing (the deadline ends
+    it), "timeout" is the transport's own deadline, "refused" a target that said no."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    async def connect(self, address: str, token: bytes | None, lanes: int = 0, timeout: float = 0.0) -> None:
+        if self.how == "silent":
+            await trio.sleep_forever()
+        raise TransportError(address, "timed out after 1s connecting" if self.how == "timeout"
+                             else "target refused the connection: no answer within reason",
+                             lane_lost=True, timed_out=self.how == "timeout")
+
+
+def test_a_mount_skips_only_replicas_that_answered_nothing_however_the_error_reads() -> None:
+    specs = {how: ReplicaSpec.parse(f"127.0.0.{i + 1}:7000/{how}")
+             for i, how in enumerate(("silent", "timeout", "refused"))}
+
+    async def main() -> list[Probe]:
+        return [await probe_one(spec, None, 1.0, _Unanswering(how))  # type: ignore[arg-type]
+                for how, spec in specs.items()]
+
+    probes = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert [p.timed_out for p in probes] == [True, True, False]
+    # A refusal that happens to say "no answer within" is still an answer.
+    claim = Claim(prev=G1, epoch=G1, takeover=False, probes=probes)
+    assert set(unanswered(claim)) == {str(specs["silent"]), str(specs["timeout"])}
