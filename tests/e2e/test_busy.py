@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import MakePool, Mount, MountPool
@@ -43,20 +44,7 @@ def _hammer(path: Path, seconds: float) -> int:
 def _run_busy(m: Mount, rounds: int = 5, seconds: float = 6.0) -> list[dict[str, object]]:
     """Writers in processes of their own (threads would queue on this one's GIL), status
     asked ``rounds`` times meanwhile."""
-    out_r, out_w = os.pipe()
-    pids = []
-    for i in range(WRITERS):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(out_r)
-                os.write(out_w, f"{i} {_hammer(m.path / f'w{i}', seconds)}\n".encode())
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(out_w)
+    pids, out_r = _fork_writers(lambda i: f"{_hammer(m.path / f'w{i}', seconds)}")
     answers = []
     try:
         for _ in range(rounds):
@@ -71,11 +59,36 @@ def _run_busy(m: Mount, rounds: int = 5, seconds: float = 6.0) -> list[dict[str,
     assert not any(codes), codes
     last = dict(zip(map(int, lines[0::2]), map(int, lines[1::2]), strict=True))
     assert len(last) == WRITERS, last
+    _check_last(m, last)
+    return answers
+
+
+def _fork_writers(work: Callable[[int], str]) -> tuple[list[int], int]:
+    """WRITERS processes (threads would queue on this one's GIL), writer i printing
+    "i work(i)" on a pipe: their pids, and the pipe's end to read."""
+    out_r, out_w = os.pipe()
+    pids = []
+    for i in range(WRITERS):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(out_r)
+                os.write(out_w, f"{i} {work(i)}\n".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(out_w)
+    return pids, out_r
+
+
+def _check_last(m: Mount, last: dict[int, int]) -> None:
+    """Each writer's last acknowledged counter is in its file."""
     for i, n in last.items():
         with open(m.path / f"w{i}", "rb") as f:
             f.seek((n % 16) * BLOCK)
             assert f.read(BLOCK) == n.to_bytes(8, "little") * (BLOCK // 8), i
-    return answers
 
 
 def test_status_answers_while_writers_keep_the_daemon_busy(make_pool: MakePool,
@@ -130,21 +143,7 @@ def test_a_replica_killed_under_busy_writers_fails_their_fsyncs_with_eio_and_non
     pool = work_dir / "busy.pool"
     mkfs_replicated(pool, targets)
     m = mount_pool(pool, options="pmem=force,replica_timeout=2")
-    pids: list[int] = []
-    out_r, out_w = os.pipe()
-    for i in range(WRITERS):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(out_r)
-                n, err = _until_eio(m.path / f"w{i}", 30.0)
-                os.write(out_w, f"{i} {n} {err}\n".encode())
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(out_w)
+    pids, out_r = _fork_writers(lambda i: " ".join(map(str, _until_eio(m.path / f"w{i}", 30.0))))
     time.sleep(1.5)
     killed = time.monotonic()
     targets[1].kill()
@@ -159,8 +158,5 @@ def test_a_replica_killed_under_busy_writers_fails_their_fsyncs_with_eio_and_non
     assert all(e == errno.EIO for _, e in results.values()), results
     assert ended < 15, ended
     assert status_json(m.path)["fsync_grouped"]["points"] > 0
-    for i, (n, _) in results.items():
-        assert n > 0, (i, results)
-        with open(m.path / f"w{i}", "rb") as f:
-            f.seek((n % 16) * BLOCK)
-            assert f.read(BLOCK) == n.to_bytes(8, "little") * (BLOCK // 8), i
+    assert all(n > 0 for n, _ in results.values()), results
+    _check_last(m, {i: n for i, (n, _) in results.items()})

@@ -28,16 +28,22 @@ def _setup(fast: bool = True) -> tuple[Source, Replicas, Durability, Answers, Gr
     return src, reps, d, answers, GroupedPoints(d, answers)
 
 
+async def _a_in_flight(nursery: trio.Nursery, src: Source, groups: GroupedPoints[str]) -> None:
+    """The runner started, and "a" asked for a point over one change: in flight once this returns
+    (where the test's replicas hold their barriers)."""
+    nursery.start_soon(groups.run)
+    src.change(data=[(4096, 10)])
+    groups.ask("a")
+    await trio.testing.wait_all_tasks_blocked()
+
+
 def test_fsyncs_asked_while_a_point_is_in_flight_share_the_next_point() -> None:
     src, reps, d, answers, groups = _setup()
     reps.auto = False
 
     async def main() -> None:
         async with trio.open_nursery() as n:
-            n.start_soon(groups.run)
-            src.change(data=[(4096, 10)])
-            groups.ask("a")
-            await trio.testing.wait_all_tasks_blocked()
+            await _a_in_flight(n, src, groups)
             assert len(reps.posted) == 1 and d.in_flight()
             # Written and asked for while the first point waits for its replicas.
             src.change(data=[(8192, 10)])
@@ -88,10 +94,7 @@ def test_answered_waits_for_the_group_in_flight_and_those_asked_meanwhile() -> N
 
     async def main() -> None:
         async with trio.open_nursery() as n:
-            n.start_soon(groups.run)
-            src.change(data=[(4096, 10)])
-            groups.ask("a")
-            await trio.testing.wait_all_tasks_blocked()
+            await _a_in_flight(n, src, groups)
             src.change(data=[(8192, 10)])
             groups.ask("b")
             done = trio.Event()
@@ -120,10 +123,7 @@ def test_over_a_slow_link_each_group_posts_at_once_behind_the_one_in_flight() ->
 
     async def main() -> None:
         async with trio.open_nursery() as n:
-            n.start_soon(groups.run)
-            src.change(data=[(4096, 10)])
-            groups.ask("a")
-            await trio.testing.wait_all_tasks_blocked()
+            await _a_in_flight(n, src, groups)
             src.change(data=[(8192, 10)])
             groups.ask("b")
             await trio.testing.wait_all_tasks_blocked()
