@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import stat
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -49,9 +48,6 @@ STATUS_XATTR = b"user.rpmemfs.status"
 # FUSE_HANDLE_KILLPRIV_V2 is not negotiated (kernels before 5.11).
 CAPABILITY_XATTR = b"security.capability"
 TIMEOUT = 1.0  # entry/attr cache seconds: every change goes through this daemon anyway
-# After an fsync arrived while a point was in flight, fsyncs are grouped (fsync_now) for this
-# long even when none is in flight: programs fsyncing concurrently come in waves.
-GROUPING_S = 0.05
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -107,8 +103,6 @@ class Operations(pyfuse3.Operations):
         self.fs = fs
         self._point = durability.point
         self._point_now = durability.point_now
-        self._in_flight = durability.in_flight
-        self._grouping_until = 0.0  # time.perf_counter(): fsyncs came during points until then
         # fsyncs that wait for replicas are answered by this group commit (fsync_now).
         self.fsyncs: GroupedPoints[pyfuse3.Later] = GroupedPoints(durability, self._answer_fsync,
                                                                   self.poller.held)
@@ -358,15 +352,8 @@ class Operations(pyfuse3.Operations):
         except Exception as e:
             self.poller.kick()
             return errno_of(e, "fsync")
-        now = time.perf_counter()
-        if self._in_flight():
-            self._grouping_until = now + GROUPING_S
-        elif now >= self._grouping_until:
-            # One program alone: no fsync came while a point was in flight lately, so there is
-            # nothing to group with. The coroutine (fsync()) posts its point at once, in this
-            # request's task, where the hand-over to the group's task would only add to it.
-            return NotImplemented
-        self.fsyncs.ask(later)
+        if not self.fsyncs.offer(later):
+            return NotImplemented  # one program alone: fsync() posts its point at once
         return None
 
     @staticmethod

@@ -13,6 +13,11 @@ fsync of the group was asked for before that, after the writes it covers had ret
 are answered only once their data is in the pool). A point that fails fails its whole group,
 as a pipelined point fails those behind it.
 
+Grouping is for callers that come together: :meth:`GroupedPoints.offer` declines a caller
+alone (no caller came while a point was in flight in the last GROUPING_S), whose point is
+better started at once by the caller itself; the hand-over to the group's task would only
+delay it.
+
 While barriers come back quickly (:meth:`Durability.quick`) one point runs at a time: fsyncs
 asked for meanwhile form the next group. Over a slow link each group's point starts at once,
 behind those in flight (point.py pipelines them), so that an fsync costs one round trip,
@@ -35,6 +40,11 @@ log = logging.getLogger("rpmemfs.durability")
 
 W = TypeVar("W")
 
+# After a caller came while a point was in flight, callers are grouped for this long even when
+# none is in flight: programs fsyncing concurrently come in waves.
+GROUPING_S = 0.05
+_clock = time.perf_counter  # (a test's stand-in replaces it)
+
 
 class GroupedPoints(Generic[W]):
     """Points for callers of type ``W`` that ``answer(caller, error)`` tells how theirs ended
@@ -51,8 +61,20 @@ class GroupedPoints(Generic[W]):
         self._serving = 0  # groups whose point runs now
         self._idle = trio.Event()
         self._idle.set()
+        self._grouping_until = 0.0  # _clock(): callers came during points until then
         self.asked = 0  # callers asked for a point here, for status
         self.groups = 0  # points run for them
+
+    def offer(self, caller: W) -> bool:
+        """:meth:`ask` for ``caller`` where a group may form; False, with nothing asked, for a
+        caller alone (see the module's text)."""
+        now = _clock()
+        if self._durability.in_flight():
+            self._grouping_until = now + GROUPING_S
+        elif now >= self._grouping_until:
+            return False
+        self.ask(caller)
+        return True
 
     def ask(self, caller: W) -> None:
         """A point for ``caller``, answered once it ended; never blocks (trio thread only)."""

@@ -34,7 +34,6 @@ from rpmemfs.transport.tokens import TokenError, chosen_token
 log = logging.getLogger("rpmemfs.mount")
 
 
-
 def _connection_aborted(exc: BaseException) -> bool:
     """Whether ``exc`` is the kernel's ECONNABORTED on /dev/fuse, alone or from every worker
     that was reading the device (a group: under load two of them get it at once, and the
@@ -42,6 +41,7 @@ def _connection_aborted(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_connection_aborted(e) for e in exc.exceptions)
     return isinstance(exc, OSError) and exc.errno == errno.ECONNABORTED
+
 
 class Mounted:
     """A pool opened and served at a mountpoint."""

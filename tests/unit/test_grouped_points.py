@@ -3,11 +3,12 @@ test_durability: callers answered later, one point per group, a failure failing 
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 from test_durability import Persister, Replicas, Source
 
-from rpmemfs.durability import Durability, DurabilityError
+from rpmemfs.durability import Durability, DurabilityError, grouped
 from rpmemfs.durability.grouped import GroupedPoints
 
 
@@ -174,3 +175,33 @@ def test_point_now_without_replicas_and_in_async_mode_with_room() -> None:
 
     _, reps, sync_d, _, _ = _setup()
     assert not sync_d.point_now() and reps.posted == []  # sync replication always waits
+
+
+def test_a_caller_alone_is_declined_and_callers_that_come_together_are_grouped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    src, reps, d, answers, groups = _setup()
+    reps.auto = False
+    now = [100.0]
+    monkeypatch.setattr(grouped, "_clock", lambda: now[0])
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(groups.run)
+            # Nothing in flight, nobody came during a point: the caller posts its own.
+            assert not groups.offer("alone") and groups.asked == 0
+            src.change(data=[(4096, 10)])
+            groups.ask("a")
+            await trio.testing.wait_all_tasks_blocked()
+            assert d.in_flight() and groups.offer("b")  # came during a point: grouped
+            reps.release[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not d.in_flight()
+            now[0] += grouped.GROUPING_S / 2
+            assert groups.offer("c")  # a wave is still coming
+            await groups.answered()
+            now[0] += grouped.GROUPING_S
+            assert not groups.offer("late")  # alone again
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert set(answers.got) == {"a", "b", "c"}
