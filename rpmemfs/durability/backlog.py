@@ -44,8 +44,9 @@ acknowledged, the queued ones included, so its resync sends it just that; it nev
 batch from before it rejoined (the resync sent it newer bytes).
 
 Writers block in :meth:`Backlog.wait_room` while the replicas that ``min_replicas`` requires
-(the K-th least behind) lag by more than ``max_lag`` bytes; so the copies held here stay
-within about ``max_lag`` plus the points being taken at that moment.
+(the K-th least behind) lag by more than ``max_lag`` bytes. A point larger than ``max_lag``
+is never copied here (point.py sends it from the pool, as in sync mode, once the batches
+before it are acknowledged), so the copies held here stay within about twice ``max_lag``.
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ class Backlog:
         self.count = 0  # batches taken
         self.points = 0  # points taken (several may share a batch)
         self.total = 0  # bytes taken
+        # Points larger than max_lag, sent from the pool instead (point.py): barriers, bytes.
+        self.direct = 0
+        self.direct_bytes = 0
         self.followers: dict[Replica, Follower] = {}
         self._moved = trio.Event()  # set (and replaced) when an acknowledgement or a failure lands
         self._nursery: trio.Nursery | None = None
@@ -255,6 +259,11 @@ class Backlog:
         else:
             durable()
 
+    def sent_direct(self, nbytes: int) -> None:
+        """Count a barrier sent from the pool, not queued here (points larger than max_lag)."""
+        self.direct += 1
+        self.direct_bytes += nbytes
+
     def has_room(self) -> bool:
         """Whether wait_room() would return at once."""
         lag = self.required_lag()
@@ -329,7 +338,7 @@ class Backlog:
     def status(self) -> dict[str, Any]:
         return {"max_lag": self.max_lag, "queued_bytes": sum(b.nbytes for b in self.batches),
                 "queued_batches": len(self.batches), "taken_batches": self.count, "taken_points": self.points,
-                "taken_bytes": self.total}
+                "taken_bytes": self.total, "direct_barriers": self.direct, "direct_bytes": self.direct_bytes}
 
     def _batch(self, n: int) -> Batch | None:
         if not self.batches or n >= self.count:

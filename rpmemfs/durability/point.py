@@ -29,13 +29,25 @@ With asynchronous replication (a :class:`~rpmemfs.durability.backlog.Backlog`), 
 are the backlog's: under the lock the point's bytes are copied into it, the point ends at once,
 and the caller waits only while the replicas lag by more than ``max_lag``. Step 5 comes when
 the batch the point joined is closed to later points (backlog.py says why then).
+
+A point larger than ``max_lag`` is not copied when the policy waits for replicas
+(``min_replicas`` above 0): its caller would wait until they acknowledged it anyway (the lag it
+adds is above the bound), and a copy of its size costs memory of that size and a page fault
+per 4 KiB on the primary (a 256 MiB write + fsync took 6.6x the daemon CPU per MB of a mount
+without replicas, a third of it in page faults). It is sent as in sync mode instead, from
+the pool, as one barrier, once every batch before it is acknowledged, with the barrier lock
+held until the replicas acknowledged it: no later point is queued behind it meanwhile, so it
+is told durable before any later one, and the replicas see the primary's states in order as
+before (:meth:`Durability._send_carried`). It waits for every replica in sync, as a sync
+barrier does; a copy left every replica past the ``min_replicas`` fastest more than
+``max_lag`` behind at once, to be resynced.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -117,6 +129,9 @@ class Durability:
         self._last = _Outcome.settled()
         self._takes = 0  # replicated points that took changes so far
         self._failures = 0  # replicated points that failed so far
+        # Async mode: the "durable" of points too large to copy, carried (in _carry) to be
+        # sent from the pool; told in order once a barrier of them is acknowledged.
+        self._deferred: list[Callable[[], None]] = []
         self.stats = Stats()
         self.backlog = backlog  # asynchronous replication, else None
 
@@ -151,8 +166,7 @@ class Durability:
         if backlog is None or rs.lock.locked():
             return False
         t0 = time.perf_counter_ns()
-        self._queue(rs, backlog, report=True)
-        if not backlog.has_room():
+        if self._queue(rs, backlog, report=True) or not backlog.has_room():
             return False
         self.stats.add(time.perf_counter_ns() - t0)
         return True
@@ -252,7 +266,9 @@ class Durability:
 
     async def _queued_point(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
         async with _held(rs.lock):
-            self._queue(rs, backlog, report)
+            if self._queue(rs, backlog, report):
+                await self._send_carried(rs, backlog, report)
+                return
         try:
             await backlog.wait_room()
         except ReplicaError as e:
@@ -261,8 +277,11 @@ class Durability:
                 log.error("replication barrier failed: %s", e)
             raise DurabilityError(str(e)) from None
 
-    def _queue(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
-        """An asynchronous point's work under the barrier lock: persist, copy into the backlog."""
+    def _queue(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> bool:
+        """An asynchronous point's work under the barrier lock: persist, copy into the backlog.
+        True when it is larger than max_lag with min_replicas above 0 (or follows one that is):
+        persisted, not copied, but carried with its "durable" for :meth:`_send_carried`, which
+        the caller must run."""
         changes = self._persist_locally()
         ranges = self._for_replicas(changes)
         # Durable to the filesystem once the point's batch is closed to later points, so
@@ -271,6 +290,10 @@ class Durability:
         if ranges:
             if changes.stamp is None:  # a point without a log record is stamped here
                 ranges.append(self._stamp(rs.local_buf, changes.seq))
+            if self._deferred or (rs.min_replicas and sum([n for _, n in ranges]) > backlog.max_lag):
+                self._carry = ranges  # what was carried before is at its head
+                self._deferred.append(durable)
+                return True
             try:
                 backlog.take(ranges, durable)
             except ReplicaError as e:
@@ -282,6 +305,33 @@ class Durability:
                 raise DurabilityError(str(e)) from None
         else:
             backlog.after_queued(durable)
+        return False
+
+    async def _send_carried(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
+        """Async mode, under the barrier lock: the carried ranges of points too large to copy,
+        sent from the pool as one barrier once the replicas acknowledged every batch before
+        them, and their points told durable once it is acknowledged. On failure, as a failed
+        point in sync mode: the ranges stay carried for the next point, their points stay
+        not durable (what they freed stays unused), and the caller gets DurabilityError."""
+        await backlog.drained()
+        ranges, self._carry = self._carry, []
+        deferred, self._deferred = self._deferred, []
+        backlog.sent_direct(sum([n for _, n in ranges]))
+        try:
+            await rs.barrier(ranges)
+        except BaseException as e:
+            self._carry[:0] = ranges
+            self._deferred[:0] = deferred
+            self.note_replicas()
+            if not isinstance(e, Exception):
+                raise
+            unexpected = not isinstance(e, ReplicaError)
+            if report:
+                log.error("replication barrier failed: %s", e, exc_info=unexpected)
+            raise DurabilityError(str(e), e if unexpected else None) from None
+        self.note_replicas()
+        for durable in deferred:
+            durable()
 
     def _stamp(self, buf: memoryview, seq: int) -> tuple[int, int]:
         """Stamp the point's place in the history last in its batch (pool/position.py): a

@@ -42,17 +42,19 @@ MAGIC = 0x52454331  # "REC1"
 HEAD = struct.Struct("<IIII")  # magic, seq, payload length, crc32 of the payload
 
 # A writer appending numbered, checksummed records, an fsync after each, logging (outside the
-# mount) each record whose fsync returned; it stops at the first error.
+# mount) each record whose fsync returned; it stops at the first error. Records are at least
+# argv[3] bytes (100 if not given).
 WRITER = r"""
 import os, struct, sys, zlib
 path, acked = sys.argv[1], sys.argv[2]
+base = int(sys.argv[3]) if len(sys.argv) > 3 else 100
 head = struct.Struct("<IIII")
 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 log = open(acked, "a", buffering=1)
 seq = 0
 try:
     while True:
-        payload = bytes([seq % 251]) * (100 + seq * 37 % 5000)
+        payload = bytes([seq % 251]) * (base + seq * 37 % 5000)
         os.write(fd, head.pack(0x52454331, seq, len(payload), zlib.crc32(payload)) + payload)
         os.fsync(fd)
         log.write(f"{seq}\n")
@@ -96,14 +98,17 @@ def test_kill9_of_the_primary_under_fsyncs_leaves_each_replica_a_prefix_of_the_a
     mkfs_replicated(pool, targets)
     m = mount_pool(pool, options=ASYNC)
     writers = []
-    for i in range(2):
+    # The third writer's points are larger than max_lag: each goes from the pool as one
+    # barrier behind the batches before it (point.py), between the others' copied batches.
+    for i, base in enumerate([100, 100, 3 << 19]):
         acked = work_dir / f"acked{i}"
         acked.touch()
         writers.append((acked, subprocess.Popen([sys.executable, "-c", WRITER, str(m.path / f"log{i}"),
-                                                 str(acked)], stderr=subprocess.PIPE, text=True)))
-    assert wait_until(lambda: all(len(a.read_text().split()) >= 200 for a, _ in writers), 60)
+                                                 str(acked), str(base)], stderr=subprocess.PIPE, text=True)))
+    assert wait_until(lambda: all(len(a.read_text().split()) >= n
+                                  for (a, _), n in zip(writers, [200, 200, 10], strict=True)), 60)
     st = status_json(m.path)
-    assert st["replication"] == "async"
+    assert st["replication"] == "async" and st["backlog"]["direct_barriers"] >= 10, st["backlog"]
     for r in st["replicas"]:
         assert r["state"] == "in-sync" and isinstance(r["lag_bytes"], int) and "lag_seconds" in r
     time.sleep(0.5)
@@ -133,7 +138,7 @@ def test_kill9_of_the_primary_under_fsyncs_leaves_each_replica_a_prefix_of_the_a
     for j, copy in enumerate(copies):
         assert_check_clean(copy)
         alone = mount_pool(copy, name=f"alone{j}", options="pmem=force,min_replicas=0,replica_timeout=1")
-        for i in range(2):
+        for i in range(3):
             seqs, partial = _records((alone.path / f"log{i}").read_bytes())
             assert seqs == list(range(len(seqs))), f"replica {j}, log{i}: a gap or reordering"
             # A record cut short is the last one there, whatever its fsync said: one write(2)
@@ -159,6 +164,7 @@ def test_lag_shows_in_status_returns_to_zero_and_verify_is_clean(
             f.write(os.urandom(20000 + 997 * i))
             f.flush()
             os.fsync(f.fileno())
+    write_fsync(m.path / "large", os.urandom(3 << 20))  # larger than max_lag: sent from the pool
     t0 = time.monotonic()
 
     def caught_up() -> bool:
@@ -171,6 +177,7 @@ def test_lag_shows_in_status_returns_to_zero_and_verify_is_clean(
     # Every fsync was a point; points taken while a barrier was in flight share a batch.
     assert backlog["queued_bytes"] == 0 and backlog["taken_points"] >= 40
     assert 1 <= backlog["taken_batches"] <= backlog["taken_points"]
+    assert backlog["direct_barriers"] >= 1 and backlog["direct_bytes"] >= 3 << 20, backlog
     assert all(r["barriers"] >= 1 for r in st["replicas"])
     text = cli("status", m.path).stdout
     assert "replication async, max_lag 1.0 MiB" in text, text

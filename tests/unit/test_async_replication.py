@@ -411,14 +411,15 @@ class Persister:
 
 
 @asynccontextmanager
-async def _slow_pair() -> AsyncIterator[tuple[Rig, ReplicaSet, Source, Backlog, Durability]]:
+async def _slow_pair(max_lag: int | None = None
+                     ) -> AsyncIterator[tuple[Rig, ReplicaSet, Source, Backlog, Durability]]:
     """Two replicas that take 0.5 s per barrier, followed asynchronously, senders running."""
     rig = Rig(2)
     rs = await rig.open()
     for t in rig.targets:
         t.delay(0.5)
     src = Source()
-    backlog = Backlog(rs)
+    backlog = Backlog(rs) if max_lag is None else Backlog(rs, max_lag=max_lag)
     d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
     async with trio.open_nursery() as nursery:
         await nursery.start(backlog.run)
@@ -505,5 +506,87 @@ def test_the_periodic_commit_and_the_barrier_drain_wait_until_the_replicas_hold_
                 assert rig.replica_holds(0, more) and rig.replica_holds(1, more)
                 assert not backlog.batches
                 assert all(backlog.lag(r) == {**(backlog.lag(r) or {}), "lag_bytes": 0} for r in rs.replicas)
+
+    run(main)
+
+
+def test_a_point_larger_than_max_lag_goes_from_the_pool_behind_the_batches_before_it() -> None:
+    """Not copied (its writer waits for the replicas anyway): one barrier sent once the batches
+    before it are acknowledged, told durable only once acknowledged, and no later point is
+    queued or told durable before it."""
+    async def main() -> None:
+        async with _slow_pair(max_lag=2 * BLOCK) as (rig, rs, src, backlog, d):
+            small, big, after = [data(rig.hdr, 30)], [data(rig.hdr, 31, 3 * BLOCK)], [data(rig.hdr, 40)]
+            rig.scribble(small + big + after)
+            src.queue.append(Changes(data=small, seq=1))
+            marks = [len(t.ops) for t in rig.targets]
+            t0 = trio.current_time()
+            await d.point()  # queued and sent at once: 0.5 s in flight
+            src.queue.append(Changes(data=big, seq=2))
+            seen: list[object] = []
+
+            async def meanwhile() -> None:
+                await trio.sleep(0.7)  # the big point's own barrier is in flight
+                seen.append((list(src.durable), d.point_now(), len(backlog.batches)))
+                src.queue.append(Changes(data=after, seq=3))
+                await d.point()  # behind the big one: queued (copied) once it is acknowledged
+                seen.append(list(src.durable))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(meanwhile)
+                await d.point()
+                assert trio.current_time() - t0 == pytest.approx(1.0)  # the small one's, then its own
+                assert src.durable == [1, 2]
+            # While it was in flight: not durable, point_now could not go (the lock is held),
+            # and nothing was queued behind it.
+            assert seen == [([1], False, 0), [1, 2, 3]]
+            await d.flush()
+            stamp = rig.targets[0].writes(marks[0])[-1]
+            for i, t in enumerate(rig.targets):
+                # A barrier each, in order, each point's ranges then its stamp.
+                assert t.writes(marks[i]) == small + [stamp] + big + [stamp] + after + [stamp]
+                assert t.flushes(marks[i]) == 3
+                assert rig.replica_holds(i, small + big + after)
+            st = backlog.status()
+            assert (st["direct_barriers"], st["direct_bytes"]) == (1, 3 * BLOCK + stamp[1])
+            assert st["taken_points"] == 2 and st["taken_bytes"] == 2 * (BLOCK + stamp[1])
+
+    run(main)
+
+
+def test_a_large_point_that_fails_stays_carried_and_not_durable_as_in_sync_mode() -> None:
+    async def main() -> None:
+        async with _slow_pair(max_lag=2 * BLOCK) as (rig, rs, src, backlog, d):
+            big = [data(rig.hdr, 50, 4 * BLOCK)]
+            rig.scribble(big)
+            src.queue.append(Changes(data=big, seq=1))
+            assert not d.point_now()  # too large to copy: carried for point(), nothing queued
+            assert not backlog.batches and src.durable == [] and d.pending()
+            rig.targets[1].fail_flushes()
+            with pytest.raises(DurabilityError, match="acknowledged by too few"):
+                await d.point()
+            # What it freed stays unused; the replica that failed is marked for it, and the
+            # next point carries it.
+            assert src.durable == [] and d.pending()
+            assert rig.syncmap.count(1) >= nchunks(rig, big) and rig.syncmap.count(0) == 0
+            assert backlog.status()["direct_barriers"] == 1 and not backlog.batches
+
+    run(main)
+
+
+def test_with_min_replicas_0_a_large_point_is_queued_as_any_other() -> None:
+    """No writer waits for a replica under that policy, a large point's included."""
+    async def main() -> None:
+        rig = Rig(2)
+        rs = await rig.open(min_replicas=0)
+        backlog = Backlog(rs, max_lag=2 * BLOCK)
+        src = Source()
+        d = Durability(src, Persister(rig.buf), rs, backlog=backlog)
+        big = [data(rig.hdr, 60, 4 * BLOCK)]
+        rig.scribble(big)
+        src.queue.append(Changes(data=big, seq=1))
+        assert d.point_now() and src.durable == [1]
+        assert backlog.status()["direct_barriers"] == 0 and backlog.status()["taken_points"] == 1
+        await rs.aclose()
 
     run(main)
