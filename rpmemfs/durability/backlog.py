@@ -44,9 +44,10 @@ acknowledged, the queued ones included, so its resync sends it just that; it nev
 batch from before it rejoined (the resync sent it newer bytes).
 
 Writers block in :meth:`Backlog.wait_room` while the replicas that ``min_replicas`` requires
-(the K-th least behind) lag by more than ``max_lag`` bytes. A point larger than ``max_lag``
-is never copied here (point.py sends it from the pool, as in sync mode, once the batches
-before it are acknowledged), so the copies held here stay within about twice ``max_lag``.
+(the K-th least behind) lag by more than ``max_lag`` bytes; so the copies held here stay
+within about ``max_lag`` plus the points being taken at that moment. When every replica is
+required, a point larger than ``max_lag`` is not copied here (point.py sends it from the
+pool, as in sync mode, once the batches before it are acknowledged): about twice ``max_lag``.
 """
 
 from __future__ import annotations
@@ -154,9 +155,7 @@ class Backlog:
         self.count = 0  # batches taken
         self.points = 0  # points taken (several may share a batch)
         self.total = 0  # bytes taken
-        # Points larger than max_lag, sent from the pool instead (point.py): barriers, bytes.
-        self.direct = 0
-        self.direct_bytes = 0
+        self.direct = self.direct_bytes = 0  # barriers (bytes) sent from the pool by point.py
         self.followers: dict[Replica, Follower] = {}
         self._moved = trio.Event()  # set (and replaced) when an acknowledgement or a failure lands
         self._nursery: trio.Nursery | None = None
@@ -201,14 +200,7 @@ class Backlog:
             return
         self.points += 1
         followers = self.followers
-        joined = False
-        for replica in in_sync:
-            f = followers.get(replica)
-            if f is None or f.joins != replica.joins:
-                if f is not None:
-                    self._drop(f)
-                self._follow(replica)
-                joined = True
+        joined = self.follow_in_sync(in_sync)
         self.total += nbytes
         tail = self.batches[-1] if self.batches else None
         # A replica that joined now follows from the next batch on (its resync sent it what
@@ -251,6 +243,21 @@ class Backlog:
         if not followers:
             self._release()  # nobody to send it to (no replica in sync, min_replicas=0): nothing kept
 
+    def follow_in_sync(self, in_sync: list[Replica] | None = None) -> bool:
+        """Follow each in-sync replica not followed yet (it joined since the last point taken)
+        from the next batch on: what came before reached it otherwise (its resync, or a
+        barrier from the pool sent after drained()). Whether any was."""
+        joined = False
+        followers = self.followers
+        for replica in self.rs.in_sync if in_sync is None else in_sync:
+            f = followers.get(replica)
+            if f is None or f.joins != replica.joins:
+                if f is not None:
+                    self._drop(f)
+                self._follow(replica)
+                joined = True
+        return joined
+
     def after_queued(self, durable: Callable[[], None]) -> None:
         """``durable`` of a point with nothing to send: after the points queued before it."""
         tail = self.batches[-1] if self.batches else None
@@ -258,11 +265,6 @@ class Backlog:
             tail.joining.append(durable)
         else:
             durable()
-
-    def sent_direct(self, nbytes: int) -> None:
-        """Count a barrier sent from the pool, not queued here (points larger than max_lag)."""
-        self.direct += 1
-        self.direct_bytes += nbytes
 
     def has_room(self) -> bool:
         """Whether wait_room() would return at once."""

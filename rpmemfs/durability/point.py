@@ -30,17 +30,17 @@ are the backlog's: under the lock the point's bytes are copied into it, the poin
 and the caller waits only while the replicas lag by more than ``max_lag``. Step 5 comes when
 the batch the point joined is closed to later points (backlog.py says why then).
 
-A point larger than ``max_lag`` is not copied when the policy waits for replicas
-(``min_replicas`` above 0): its caller would wait until they acknowledged it anyway (the lag it
-adds is above the bound), and a copy of its size costs memory of that size and a page fault
-per 4 KiB on the primary (a 256 MiB write + fsync took 6.2-9.1x the daemon CPU per MB of a
-mount without replicas, mostly page faults, and 522 MiB of anonymous memory). It is sent as
-in sync mode instead, from the pool, as one barrier, once every batch before it is
+A point larger than ``max_lag`` is not copied when the policy waits for every replica
+(``min_replicas`` all, the default): its caller would wait until they acknowledged it anyway
+(the lag it adds is above the bound), and a copy of its size costs memory of that size and a
+page fault per 4 KiB on the primary (a 256 MiB write + fsync took 6.2-9.1x the daemon CPU per
+MB of a mount without replicas, mostly page faults, and 522 MiB of anonymous memory). It is
+sent as in sync mode instead, from the pool, as one barrier, once every batch before it is
 acknowledged, with the barrier lock held until the replicas acknowledged it: no later point
 is queued behind it meanwhile, so it is told durable before any later one, and the replicas
-see the primary's states in order as before (:meth:`Durability._send_carried`). It waits for
-every replica in sync, as a sync barrier does; a copy left every replica past the
-``min_replicas`` fastest more than ``max_lag`` behind at once, to be resynced.
+see the primary's states in order as before (:meth:`Durability._send_carried`). With fewer
+replicas required it is copied as any other point: a barrier from the pool would hold every
+writer until the slowest replica answered, which that policy promises not to do.
 """
 
 from __future__ import annotations
@@ -74,6 +74,19 @@ class DurabilityError(RpmemfsError):
     def __init__(self, message: str, unexpected: BaseException | None = None) -> None:
         super().__init__(message)
         self.unexpected = unexpected
+
+
+_STAMP = (position.POSITION_OFF, position.SIZE)
+
+
+def _last_stamp_only(ranges: Ranges) -> Ranges:
+    """``ranges`` with only the last of their position stamps. Every stamp is the same range of
+    the pool, read when its barrier is sent: an earlier one in the same barrier would say too
+    early that the later points are there."""
+    if ranges.count(_STAMP) <= 1:
+        return ranges
+    last = len(ranges) - 1 - ranges[::-1].index(_STAMP)
+    return [r for i, r in enumerate(ranges) if r != _STAMP or i == last]
 
 
 class _held:  # noqa: N801 (used as "async with _held(lock)", like the lock itself)
@@ -256,13 +269,14 @@ class Durability:
         return c
 
     def _for_replicas(self, c: Changes) -> Ranges:
-        ranges = self._carry + c.persisted + c.stored + c.data
+        carried = self._carry
+        ranges = carried + c.persisted + c.stored + c.data
         if c.log is not None:
             ranges.append((c.log[0], len(c.log[1])))
         if c.stamp is not None:
             ranges.append((c.stamp[0], len(c.stamp[1])))
         self._carry = []
-        return ranges
+        return _last_stamp_only(ranges) if carried else ranges
 
     async def _queued_point(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> None:
         async with _held(rs.lock):
@@ -279,7 +293,7 @@ class Durability:
 
     def _queue(self, rs: ReplicaSet, backlog: Backlog, report: bool) -> bool:
         """An asynchronous point's work under the barrier lock: persist, copy into the backlog.
-        True when it is larger than max_lag with min_replicas above 0 (or follows one that is):
+        True when it is larger than max_lag and every replica is required (or follows one that is):
         persisted, not copied, but carried with its "durable" for :meth:`_send_carried`, which
         the caller must run."""
         changes = self._persist_locally()
@@ -290,8 +304,9 @@ class Durability:
         if ranges:
             if changes.stamp is None:  # a point without a log record is stamped here
                 ranges.append(self._stamp(rs.local_buf, changes.seq))
-            if self._deferred or (rs.min_replicas and sum([n for _, n in ranges]) > backlog.max_lag):
-                self._carry = ranges  # what was carried before is at its head
+            if self._deferred or (rs.min_replicas == len(rs.replicas) > 0
+                                  and sum([n for _, n in ranges]) > backlog.max_lag):
+                self._carry = _last_stamp_only(ranges)  # what was carried before is at its head
                 self._deferred.append(durable)
                 return True
             try:
@@ -316,7 +331,6 @@ class Durability:
         await backlog.drained()
         ranges, self._carry = self._carry, []
         deferred, self._deferred = self._deferred, []
-        backlog.sent_direct(sum([n for _, n in ranges]))
         try:
             await rs.barrier(ranges)
         except BaseException as e:
@@ -329,6 +343,12 @@ class Durability:
             if report:
                 log.error("replication barrier failed: %s", e, exc_info=unexpected)
             raise DurabilityError(str(e), e if unexpected else None) from None
+        backlog.direct += 1
+        backlog.direct_bytes += sum([n for _, n in ranges])
+        # The replicas in sync hold everything taken so far, and nothing is queued (the lock
+        # is held since drained()): those that joined meanwhile are followed from here on, or
+        # the next point would find fewer followed than min_replicas.
+        backlog.follow_in_sync()
         self.note_replicas()
         for durable in deferred:
             durable()
