@@ -76,6 +76,15 @@ class DurabilityError(RpmemfsError):
         self.unexpected = unexpected
 
 
+def _failed(error: Exception, report: bool) -> DurabilityError:
+    """What a replicated point that failed with ``error`` raises, logged when ``report``: a
+    failure that is not a replica shortfall is a bug, logged with its traceback."""
+    unexpected = not isinstance(error, ReplicaError)
+    if report:
+        log.error("replication barrier failed: %s", error, exc_info=unexpected)
+    return DurabilityError(str(error), error if unexpected else None)
+
+
 _STAMP = (position.POSITION_OFF, position.SIZE)
 
 
@@ -339,10 +348,7 @@ class Durability:
             self.note_replicas()
             if not isinstance(e, Exception):
                 raise
-            unexpected = not isinstance(e, ReplicaError)
-            if report:
-                log.error("replication barrier failed: %s", e, exc_info=unexpected)
-            raise DurabilityError(str(e), e if unexpected else None) from None
+            raise _failed(e, report) from None
         backlog.direct += 1
         backlog.direct_bytes += sum([n for _, n in ranges])
         # The replicas in sync hold everything taken so far, and nothing is queued (the lock
@@ -408,10 +414,7 @@ class Durability:
                 self._carry[:0] = ranges
                 outcome.failed = error
                 self._failures += 1
-                unexpected = not isinstance(error, ReplicaError)
-                if report:
-                    log.error("replication barrier failed: %s", error, exc_info=unexpected)
-                raise DurabilityError(str(error), error if unexpected else None) from None
+                raise _failed(error, report) from None
             self._source.mark_durable(changes.seq, changes.tail)
         finally:
             outcome.done.set()
